@@ -1,0 +1,42 @@
+"""Shared by the benchmarks: this machine's fp32 matmul rate, peak RSS, a tiny HF checkpoint."""
+import os
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    """Best-of-`reps` rate of one large fp32 matmul: the roof the MFU figures divide by."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def qwen2_checkpoint(path: str, hidden=256, layers=4, vocab=1024, seed=0):
+    """A random Qwen2 of the shape ../shared/bench/trl_grpo_cpu.py builds (2.6M params at the
+    defaults), saved by transformers, with the built-in task's tokenizer."""
+    import transformers
+
+    from utils.tiny import make_tokenizer
+
+    eos = make_tokenizer(path, vocab_size=vocab)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, eos_token_id=eos, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,74 @@
+"""Native engine decode tokens/s against transformers' `generate`, same checkpoint, same batch.
+
+    python bench/decode.py                      # 2.6M-param Qwen2, batch 64, 64 new tokens
+    python bench/decode.py --model DIR          # any local HF checkpoint
+
+Runs alternate (ours, HF, ours, HF, ...) and report medians, since these machines are
+noisy. EOS is disabled on both sides so every row makes exactly --new-tokens tokens.
+"""
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from common import matmul_gflops, qwen2_checkpoint
+
+from roles.rollout import NativeEngine, SamplingParams
+from utils.data import Tokenizer
+from utils.model import flops_per_token, iter_checkpoint, read_config
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default=None)
+ap.add_argument("--prompts", type=int, default=8)
+ap.add_argument("--n", type=int, default=8, help="samples per prompt (batch = prompts * n)")
+ap.add_argument("--prompt-len", type=int, default=12)
+ap.add_argument("--new-tokens", type=int, default=64)
+ap.add_argument("--reps", type=int, default=5)
+args = ap.parse_args()
+
+import transformers  # noqa: E402
+
+path = args.model or tempfile.mkdtemp()
+hf = qwen2_checkpoint(path) if args.model is None else transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+cfg = read_config(path)
+tok = Tokenizer(path)
+eng = NativeEngine(cfg, tok)
+eng.eos = torch.tensor([-1])  # no EOS: fixed-length decode on both sides
+eng.load_weights(iter_checkpoint(path))
+B, T = args.prompts * args.n, args.new_tokens
+g = torch.Generator().manual_seed(0)
+prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g)
+sp = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=T)
+
+
+def ours():
+    out = eng.generate(prompts.tolist(), sp, seeds=list(range(args.prompts)))
+    assert out.tokens.shape == (B, T)
+
+
+def theirs():
+    with torch.no_grad():
+        out = hf.generate(prompts.repeat_interleave(args.n, 0), max_new_tokens=T, min_new_tokens=T,
+                          do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+    assert out.shape == (B, args.prompt_len + T)
+
+
+times = {"native engine": [], "transformers generate": []}
+ours(), theirs()  # warm-up
+for _ in range(args.reps):
+    for name, fn in (("native engine", ours), ("transformers generate", theirs)):
+        t = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - t)
+roof = matmul_gflops()
+flops = sum(flops_per_token(cfg, args.prompt_len + t) for t in range(T)) * B  # decode only
+print(f"\nQwen2 {cfg.num_params() / 1e6:.2f}M params, batch {B}, prompt {args.prompt_len}, {T} new tokens, "
+      f"torch threads {torch.get_num_threads()}, fp32 matmul roof {roof:.0f} GFLOP/s\n")
+print(f"| {'engine':<22} | {'median s':>8} | {'tokens/s':>9} | {'GFLOP/s':>7} | {'MFU':>5} |")
+print(f"|{'-' * 24}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 7}|")
+for name, ts in times.items():
+    m = statistics.median(ts)
+    print(f"| {name:<22} | {m:8.3f} | {B * T / m:9.0f} | {flops / m / 1e9:7.1f} | {flops / m / 1e9 / roof:5.1%} |")
+speedup = statistics.median(times["transformers generate"]) / statistics.median(times["native engine"])
+print(f"\nnative / transformers tokens/s: {speedup:.2f}x")

@@ -1,0 +1,230 @@
+"""The rollout role: a generation engine behind one small interface.
+
+    engine.load_weights(iter of (hf_name, tensor))   replace the weights in place
+    engine.generate(prompt_ids, params, seeds)    -> Samples (n per prompt, prompt-major)
+    engine.release()                                 free weights and cache (colocate)
+
+The native engine is a plain batched sampler over `utils.model` with a preallocated
+KV cache: the prompt is encoded once (per prompt, not per sample: its cache is copied
+to the n samples), then one token per forward. Sampling is inverse-CDF with one
+uniform per (prompt seed, sample, position) from a counter-based hash, so a sample
+depends on its prompt's seed only, never on the batch it was put in or on the rank.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """completions per prompt"""
+    temperature: float = 1.0
+    """0 = greedy"""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off"""
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    """stop strings (the completion ends at the token that completes one)"""
+
+
+@dataclass
+class Samples:
+    """n completions per prompt, prompt-major: row i*n + j is sample j of prompt i."""
+    tokens: torch.Tensor  # [N, T] long, padded with 0 after each length
+    logprobs: torch.Tensor  # [N, T] fp32 log-prob of each sampled token (temperature applied)
+    lengths: torch.Tensor  # [N] long
+    finish_reasons: list  # "stop" (EOS or stop string) | "length"
+    texts: list  # decoded completions (stop string cut off)
+
+
+M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (the 0x45d9f3b finaliser), on int64 tensors holding 32-bit values."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    return (x >> 16) ^ x
+
+
+def uniforms(row_keys, t: int):
+    """One uniform in (0, 1) per row for decode position t: row_keys [N] int64 -> [N] fp64."""
+    h = _mix32(_mix32(row_keys) ^ _mix32(torch.full_like(row_keys, t + 0x9E3779B9 & M32)))
+    return (h.double() + 0.5) / 2.0 ** 32
+
+
+def sample_tokens(logits, params: SamplingParams, u):
+    """logits [N, V] fp32, u [N] -> (tokens [N], logprobs [N] of those tokens under
+    softmax(logits / temperature), before top-k/top-p filtering, as vLLM reports them)."""
+    if params.temperature == 0:
+        tok = logits.argmax(-1)  # [N]
+        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / params.temperature, -1)  # [N, V]
+    probs = logp.exp()
+    order = None
+    if params.top_k > 0 or params.top_p < 1.0:
+        probs, order = probs.sort(-1, descending=True)  # [N, V]
+        if params.top_k > 0:
+            probs[:, params.top_k:] = 0
+        if params.top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
+            before = probs.cumsum(-1) - probs
+            probs = probs.masked_fill(before >= params.top_p, 0)
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[1] - 1)  # [N, 1]
+    tok = (order.gather(-1, idx) if order is not None else idx)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+class FusedDecoder:
+    """Inference copy of a `Transformer` with q/k/v and gate/up fused into one matmul each
+    (gpt-fast's trick: at small batch the step is bound by per-op overhead, so fewer and
+    larger matmuls win). Same math as `Transformer.forward`; tested against transformers."""
+
+    def __init__(self, model):
+        self.cfg, self.inv_freq = model.config, model.inv_freq
+        self.embed, self.norm, self.lm_head = model.model.embed_tokens.weight, model.model.norm, model.lm_head.weight
+        self.layers = []
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            self.layers.append((
+                layer.input_layernorm, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
+                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm,
+                torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+
+    def __call__(self, tokens, positions, mask, cache: KVCache):
+        """tokens, positions [B, S]; mask bool [B, 1, S, L]; returns last-position logits [B, V]."""
+        c = self.cfg
+        B, S = tokens.shape
+        H, KV, D, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+        freqs = positions[..., None].float() * self.inv_freq  # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), -1)[:, :, None]  # [B, S, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        bias = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        h = F.embedding(tokens, self.embed)  # [B, S, h]
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.layers):
+            qkv = F.linear(ln1(h), wqkv, bqkv).view(B, S, H + 2 * KV, D)  # [B, S, H+2KV, D]
+            qk = qkv[:, :, :H + KV]
+            qk = qk * cos + torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1) * sin  # RoPE on q and k
+            q = qk[:, :, :H].transpose(1, 2)  # [B, H, S, D]
+            k, v = cache.update(i, qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV:].transpose(1, 2))  # [B, KV, L, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=KV != H)  # [B, H, S, D]
+            h = h + F.linear(o.transpose(1, 2).reshape(B, S, H * D), wo, bo)
+            gate, up = F.linear(ln2(h), wgu).split(I, -1)  # [B, S, I] each
+            h = h + F.linear(F.silu(gate) * up, wd)
+        cache.pos += S
+        return F.linear(self.norm(h[:, -1]), self.lm_head).float()  # [B, V]
+
+
+class NativeEngine:
+    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
+        self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
+        self.model = self.decoder = None
+        self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
+
+    def load_weights(self, weights):
+        """Replace the weights from (hf_name, tensor) pairs (a full set)."""
+        if self.model is None:
+            self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
+        load_state(self.model, weights)
+        self.decoder = FusedDecoder(self.model)
+
+    def release(self):
+        """Drop weights (the KV cache lives only inside generate)."""
+        self.model = self.decoder = None
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
+        assert self.model is not None, "load_weights before generate"
+        assert len(seeds) == len(prompts), "one seed per prompt"
+        dev, n, T = self.device, params.n, params.max_new_tokens
+        B0, P = len(prompts), max(len(p) for p in prompts)
+        N = B0 * n
+        # left-pad the prompts so every row's next token goes in the same column
+        tokens = torch.full((B0, P), self.tok.pad_id, dtype=torch.long)
+        valid = torch.zeros(B0, P + T, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p):] = torch.tensor(p)
+            valid[i, P - len(p):] = True
+        tokens, valid = tokens.to(dev), valid.to(dev)
+        # prefill once per prompt, then copy its cache to the n samples
+        cache = KVCache(self.cfg, B0, P + T, dev, self.dtype)
+        pos = positions_from(valid[:, :P])  # [B0, P]
+        logits = self.decoder(tokens, pos, attention_mask(valid[:, :P]), cache)  # [B0, V]
+        if n > 1:
+            cache.k, cache.v = cache.k.repeat_interleave(n, 1), cache.v.repeat_interleave(n, 1)
+            logits, valid, pos = logits.repeat_interleave(n, 0), valid.repeat_interleave(n, 0), pos.repeat_interleave(n, 0)
+        next_pos = pos[:, -1] + 1  # [N]
+        keys = torch.tensor([s * 7919 + j for s in seeds for j in range(n)], dtype=torch.long, device=dev)  # [N]
+        keys = _mix32(keys & M32)
+        out_tok = torch.zeros(N, T, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(N, T, dtype=torch.float32, device=dev)
+        done = torch.zeros(N, dtype=torch.bool, device=dev)
+        lengths = torch.full((N,), T, dtype=torch.long, device=dev)
+        stopped = torch.zeros(N, dtype=torch.bool, device=dev)
+        for t in range(T):
+            tok, lp = sample_tokens(logits, params, uniforms(keys, t))
+            out_tok[:, t], out_lp[:, t] = tok, lp
+            finished = ~done & torch.isin(tok, self.eos)
+            if params.stop:
+                finished |= self._hit_stop(out_tok[:, :t + 1], done | finished, params.stop)
+            lengths = torch.where(finished, t + 1, lengths)
+            stopped |= finished
+            done |= finished
+            if bool(done.all()) or t == T - 1:
+                break
+            valid[:, P + t] = ~done  # rows that are done still run (masked) to keep the batch whole
+            logits = self.decoder(tok[:, None], next_pos[:, None], valid[:, None, None, :P + t + 1], cache)
+            next_pos = next_pos + 1
+        Tmax = int(lengths.max())
+        keep = torch.arange(Tmax, device=dev)[None] < lengths[:, None]  # [N, Tmax]
+        out_tok, out_lp = out_tok[:, :Tmax] * keep, out_lp[:, :Tmax] * keep
+        texts = self.tok.decode_batch([row[:l] for row, l in zip(out_tok.tolist(), lengths.tolist())])
+        if params.stop:
+            texts = [_cut(t, params.stop) for t in texts]
+        reasons = ["stop" if s else "length" for s in stopped.tolist()]
+        return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts)
+
+    def _hit_stop(self, so_far, skip, stop):
+        """Rows (not in `skip`) whose decoded completion now contains a stop string."""
+        rows = (~skip).nonzero()[:, 0].tolist()
+        hit = torch.zeros(so_far.shape[0], dtype=torch.bool, device=so_far.device)
+        if rows:
+            texts = self.tok.decode_batch(so_far[rows].tolist())
+            for r, text in zip(rows, texts):
+                hit[r] = any(s in text for s in stop)
+        return hit
+
+
+def _cut(text: str, stop: list[str]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+if __name__ == "__main__":  # python -m roles.rollout --model DIR: sample a few completions of the eval split
+    import argparse
+
+    from utils.data import BUILTIN, Tokenizer, load_rows
+    from utils.model import iter_checkpoint, read_config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="assets/arith-tiny")
+    ap.add_argument("--dataset", default=BUILTIN)
+    ap.add_argument("--prompt-column", default="prompt")
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    a = ap.parse_args()
+    tok = Tokenizer(a.model)
+    engine = NativeEngine(read_config(a.model), tok)
+    engine.load_weights(iter_checkpoint(a.model))
+    rows = load_rows(a.dataset, "eval", a.prompt_column, None)[:4]
+    prompts = [tok.encode(*tok.render(r["prompt"])) for r in rows]
+    out = engine.generate(prompts, SamplingParams(a.n, a.temperature, max_new_tokens=a.max_new_tokens), list(range(4)))
+    for i, text in enumerate(out.texts):
+        print(f"{rows[i // a.n]['prompt']!r} -> {text!r} ({out.finish_reasons[i]})")

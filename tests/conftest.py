@@ -1,0 +1,36 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from utils.tiny import make_tokenizer  # noqa: E402
+
+
+def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
+    """A random transformers model saved in HF format, with the built-in task's tokenizer."""
+    import transformers
+
+    eos = make_tokenizer(path)
+    base = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=512, eos_token_id=eos)
+    base.update(kw)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**base))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base))
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """(path, transformers model) of a small random Qwen2 checkpoint."""
+    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
+    return path, hf_checkpoint(path)

@@ -1,0 +1,108 @@
+"""utils/model.py against transformers: logits, checkpoints, errors."""
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from conftest import hf_checkpoint
+
+from utils.model import (ModelConfig, attention_mask, build, iter_checkpoint, load_model, positions_from,
+                         read_config, save_model)
+
+CONFIGS = [  # (arch, overrides): GQA ratios, tied/untied, bias on/off, rope theta
+    ("qwen2", dict(tie_word_embeddings=True)),
+    ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6)),
+    ("qwen2", dict(num_key_value_heads=1, head_dim=64, rope_theta=500.0)),
+    ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    ("llama", dict(attention_bias=True, tie_word_embeddings=True, rope_theta=1e5)),
+]
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("arch,kw", CONFIGS)
+def test_logits_match_transformers(tmp_path, arch, kw):
+    ref = hf_checkpoint(str(tmp_path), arch, **kw)
+    ours = load_model(str(tmp_path))
+    x = torch.randint(0, 512, (3, 23))
+    with torch.no_grad():
+        assert rel_err(ours(x), ref(x).logits) < 1e-5
+
+
+def test_padded_batch_matches_transformers(tiny_hf):
+    """Left-padded prompts (the training and generation layout) against HF's attention_mask."""
+    path, ref = tiny_hf
+    ours = load_model(path)
+    x = torch.randint(0, 512, (3, 12))
+    valid = torch.ones(3, 12, dtype=torch.bool)
+    valid[1, :5] = False
+    valid[2, :2] = False
+    with torch.no_grad():
+        got = ours(x, positions_from(valid), attention_mask(valid))
+        want = ref(x, attention_mask=valid.long(), position_ids=positions_from(valid)).logits
+    assert rel_err(got[valid], want[valid]) < 1e-5
+
+
+def test_save_load_roundtrip_bit_exact(tmp_path):
+    cfg = ModelConfig(tie_word_embeddings=False, num_hidden_layers=2, vocab_size=300)
+    model = build(cfg)
+    model.init_weights(seed=3)
+    save_model(model, cfg, str(tmp_path))
+    again = load_model(str(tmp_path))
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert dataclasses.replace(read_config(str(tmp_path)), extra={}) == cfg
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "LlamaForCausalLM"])
+def test_our_checkpoint_loads_in_transformers(tmp_path, arch):
+    import transformers
+
+    cfg = ModelConfig(architecture=arch, attention_bias=arch.startswith("Qwen2"), num_hidden_layers=2,
+                      tie_word_embeddings=arch.startswith("Qwen2"), rope_theta=20000.0)
+    model = build(cfg)
+    model.init_weights(seed=1)
+    save_model(model, cfg, str(tmp_path))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(ref).__name__ == arch
+    x = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert rel_err(model(x), ref(x).logits) < 1e-5
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    ref = hf_checkpoint(str(tmp_path), "qwen2", tie_word_embeddings=False)
+    ref.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    os.remove(os.path.join(tmp_path, "model.safetensors")) if os.path.exists(tmp_path / "model.safetensors") else None
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    names = {n for n, _ in iter_checkpoint(str(tmp_path))}
+    assert "lm_head.weight" in names
+    ours = load_model(str(tmp_path))
+    x = torch.randint(0, 512, (2, 7))
+    with torch.no_grad():
+        assert rel_err(ours(x), ref(x).logits) < 1e-5
+
+
+def test_missing_config_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_config(str(tmp_path))
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, f)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        read_config(str(tmp_path))
+
+
+def test_wrong_shape_checkpoint_is_a_clear_error(tmp_path):
+    hf_checkpoint(str(tmp_path), "qwen2")
+    cfg = read_config(str(tmp_path))
+    cfg.intermediate_size = 128
+    from utils.model import load_state
+    with pytest.raises(ValueError, match="shape mismatch for model.layers.0.mlp"):
+        load_state(build(cfg), iter_checkpoint(str(tmp_path)))

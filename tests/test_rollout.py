@@ -1,0 +1,114 @@
+"""The native engine against transformers: greedy tokens, sampled log-probs, sampler law."""
+import pytest
+import torch
+
+from roles.rollout import NativeEngine, SamplingParams, sample_tokens, uniforms
+from utils.data import Tokenizer, arith_rows
+from utils.model import iter_checkpoint, read_config
+
+
+def engine_for(path):
+    eng = NativeEngine(read_config(path), Tokenizer(path))
+    eng.load_weights(iter_checkpoint(path))
+    return eng
+
+
+def prompts(tok, k=6):
+    ps = [tok.encode(r["prompt"]) for r in arith_rows("eval")[:k]]
+    if k > 1:
+        ps[1] = ps[1][:2]  # different lengths: left padding must not change anything
+    return ps
+
+
+def test_greedy_equals_transformers_generate(tiny_hf):
+    path, ref = tiny_hf
+    eng = engine_for(path)
+    ps = prompts(eng.tok)
+    out = eng.generate(ps, SamplingParams(temperature=0, max_new_tokens=24), seeds=list(range(len(ps))))
+    eos = min(eng.tok.eos_ids)
+    for i, p in enumerate(ps):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=eos,
+                            pad_token_id=eos)[0, len(p):].tolist()
+        assert out.tokens[i, :out.lengths[i]].tolist() == want
+        assert out.finish_reasons[i] == ("stop" if want[-1] == eos else "length")
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
+def test_sampled_logprobs_equal_full_forward(tiny_hf, temperature, top_p, top_k):
+    path, ref = tiny_hf
+    eng = engine_for(path)
+    ps = prompts(eng.tok, 3)
+    sp = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16)
+    out = eng.generate(ps, sp, seeds=[11, 12, 13])
+    for row in range(len(ps) * sp.n):
+        p, n = ps[row // sp.n], int(out.lengths[row])
+        seq = torch.tensor([p + out.tokens[row, :n].tolist()])
+        with torch.no_grad():
+            logits = ref(seq).logits[0, len(p) - 1:-1] / temperature  # [n, V]
+        want = torch.log_softmax(logits, -1).gather(-1, out.tokens[row, :n, None])[:, 0]
+        assert torch.allclose(out.logprobs[row, :n], want, atol=1e-5, rtol=0)
+        if top_k:  # every sampled token lies inside the top-k set
+            ranks = (logits > logits.gather(-1, out.tokens[row, :n, None])).sum(-1)
+            assert (ranks < top_k).all()
+
+
+def test_samples_depend_on_the_prompt_seed_only(tiny_hf):
+    """The same (prompt, seed) gives the same samples whatever else is in the batch."""
+    path, _ = tiny_hf
+    eng = engine_for(path)
+    ps = prompts(eng.tok, 4)
+    sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
+    together = eng.generate(ps, sp, seeds=[5, 6, 7, 8])
+    alone = eng.generate(ps[2:3], sp, seeds=[7])
+    assert torch.equal(together.tokens[6:9, :alone.tokens.shape[1]], alone.tokens)
+    other_seed = eng.generate(ps[2:3], sp, seeds=[70])
+    assert not torch.equal(other_seed.tokens, alone.tokens)
+
+
+def test_sampler_follows_the_distribution():
+    """Inverse-CDF sampling with hashed uniforms: frequencies match softmax, top-k/top-p cut."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(20000, 1)
+    keys = torch.arange(20000)
+    tok, lp = sample_tokens(logits, SamplingParams(temperature=1.0), uniforms(keys, 3))
+    freq = torch.bincount(tok, minlength=5).float() / len(tok)
+    p = torch.softmax(logits[0], -1)
+    assert (freq - p).abs().max() < 0.012  # ~4 standard errors at n=20000
+    assert torch.allclose(lp, p.log()[tok])
+    tok, _ = sample_tokens(logits, SamplingParams(temperature=1.0, top_k=2), uniforms(keys, 3))
+    f2 = torch.bincount(tok, minlength=5).float() / len(tok)
+    assert f2[2:].sum() == 0 and abs(f2[0] - p[0] / p[:2].sum()) < 0.012
+    tok, _ = sample_tokens(logits, SamplingParams(temperature=1.0, top_p=0.5), uniforms(keys, 3))
+    assert (tok == 0).all()  # p[0] = 0.57 >= 0.5: the nucleus is one token
+
+
+def test_stop_string_ends_the_completion(tiny_hf):
+    path, _ = tiny_hf
+    eng = engine_for(path)
+    ps = prompts(eng.tok, 1)
+    free = eng.generate(ps, SamplingParams(temperature=0, max_new_tokens=12), seeds=[0])
+    text3 = eng.tok.decode(free.tokens[0, :3].tolist())
+    stop = text3[-1]  # a character the completion reaches by its third token
+    out = eng.generate(ps, SamplingParams(temperature=0, max_new_tokens=12, stop=[stop]), seeds=[0])
+    n = int(out.lengths[0])
+    assert n <= 3 and out.finish_reasons == ["stop"]
+    assert stop in eng.tok.decode(out.tokens[0, :n].tolist())
+    assert stop not in out.texts[0]
+
+
+def test_load_weights_replaces_the_model(tiny_hf, tmp_path):
+    from conftest import hf_checkpoint
+
+    path, _ = tiny_hf
+    eng = engine_for(path)
+    ps = prompts(eng.tok, 3)
+    sp = SamplingParams(temperature=0, max_new_tokens=10)
+    before = eng.generate(ps, sp, seeds=[0, 1, 2])
+    other = hf_checkpoint(str(tmp_path), seed=9)
+    eng.load_weights(iter_checkpoint(str(tmp_path)))
+    after = eng.generate(ps, sp, seeds=[0, 1, 2])
+    assert not torch.equal(before.tokens, after.tokens)
+    eos = min(eng.tok.eos_ids)
+    for i, p in enumerate(ps):
+        want = other.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos)[0, len(p):].tolist()
+        assert after.tokens[i, :after.lengths[i]].tolist() == want

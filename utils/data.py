@@ -1,0 +1,218 @@
+"""Tokenizer, prompt datasets and the built-in arithmetic task.
+
+Prompts come through the `datasets` library from a local jsonl/json/parquet file or
+a hub id (the network is touched only for a hub id). The built-in task needs nothing
+but a seed. Each rank takes its own slice of every step's prompts (parallel
+controllers: nobody gathers the batch), and each prompt's sampling seed depends on
+(seed, step, position in the global batch) only, not on the rank that holds it.
+"""
+import json
+import os
+import random
+
+from tokenizers import Tokenizer as HFTokenizer
+
+BUILTIN = "builtin:arith"
+EOS = "<|endoftext|>"
+
+
+class Tokenizer:
+    """tokenizer.json via the `tokenizers` library, plus tokenizer_config.json's special
+    tokens and chat template (rendered with jinja2, as transformers does)."""
+
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{path!r} has no tokenizer.json (a fast tokenizer is required)")
+        self.tok = HFTokenizer.from_file(file)
+        conf = {}
+        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            with open(os.path.join(path, "tokenizer_config.json")) as f:
+                conf = json.load(f)
+        self.chat_template = conf.get("chat_template")
+        if self.chat_template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
+            with open(os.path.join(path, "chat_template.jinja")) as f:
+                self.chat_template = f.read()
+        tokname = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+        self.eos_token, self.bos_token = tokname(conf.get("eos_token")), tokname(conf.get("bos_token"))
+        self.eos_ids = set()
+        if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
+            self.eos_ids.add(self.tok.token_to_id(self.eos_token))
+        for name in ("config.json", "generation_config.json"):  # HF lists extra stop ids here
+            if os.path.isfile(os.path.join(path, name)):
+                with open(os.path.join(path, name)) as f:
+                    eos = json.load(f).get("eos_token_id")
+                self.eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        pad = tokname(conf.get("pad_token"))
+        self.pad_id = self.tok.token_to_id(pad) if pad else None
+        if self.pad_id is None:
+            self.pad_id = min(self.eos_ids) if self.eos_ids else 0
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def decode_batch(self, batch) -> list[str]:
+        return self.tok.decode_batch([list(x) for x in batch], skip_special_tokens=True)
+
+    def render(self, prompt) -> tuple[str, bool]:
+        """Prompt (a string or a list of chat messages) -> (text, whether special tokens are
+        still to be added by encode). The chat template is applied when the tokenizer has one."""
+        if self.chat_template is None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt is a list of messages but the tokenizer has no chat template")
+            return prompt, True
+        import jinja2
+
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise ValueError(msg)
+
+        env.globals["raise_exception"] = raise_exception
+        text = env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "")
+        return text, False  # the template already holds the special tokens
+
+
+def train_tokenizer(texts, path: str, vocab_size: int = 512, chat_template: str | None = None):
+    """A byte-level BPE tokenizer trained offline in well under a second; digits stay single
+    tokens so that arithmetic is learnable. Writes tokenizer.json + tokenizer_config.json."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
+            "model_max_length": 2048}
+    if chat_template:
+        conf["chat_template"] = chat_template
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
+    return tok.token_to_id(EOS)
+
+
+# ---------------------------------------------------------------- the built-in task
+
+def arith_problem(rng: random.Random, digits: int = 2) -> dict:
+    """Integer addition; the answer is checked as the last number of the completion."""
+    a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def arith_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 256, digits: int = 2) -> list[dict]:
+    """Deterministic in `seed`; the eval split holds problems that never appear in train."""
+    rng = random.Random(f"arith-eval-{seed}")
+    evals = []
+    seen = set()
+    while len(evals) < n_eval:
+        r = arith_problem(rng, digits)
+        if r["prompt"] not in seen:
+            seen.add(r["prompt"])
+            evals.append(r)
+    if split == "eval":
+        return evals
+    rng = random.Random(f"arith-train-{seed}")
+    train = []
+    while len(train) < n_train:
+        r = arith_problem(rng, digits)
+        if r["prompt"] not in seen:
+            train.append(r)
+    return train
+
+
+# ---------------------------------------------------------------- prompt datasets
+
+def load_rows(source: str, split: str, prompt_column: str, answer_column: str | None, seed: int = 0):
+    """Rows as dicts with 'prompt', 'answer' (may be None) and the other columns.
+    source: 'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id."""
+    if source == BUILTIN:
+        rows = arith_rows("eval" if split in ("eval", "test") else "train", seed)
+        prompt_column, answer_column = "prompt", "answer"
+    else:
+        import datasets
+
+        if os.path.exists(source):
+            ext = os.path.splitext(source)[1].lstrip(".")
+            kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
+            if kind is None:
+                raise ValueError(f"dataset file {source!r}: expected .jsonl, .json or .parquet")
+            if os.path.getsize(source) == 0:
+                raise ValueError(f"dataset {source!r} is empty")
+            try:
+                ds = datasets.load_dataset(kind, data_files=source, split="train")
+            except Exception as e:  # a parse error deep in pyarrow: say which file
+                raise ValueError(f"could not read dataset file {source!r}: {type(e).__name__}: {e}") from e
+        else:  # a hub id: the only place the network is used
+            ds = datasets.load_dataset(source, split=split)
+        if prompt_column not in ds.column_names:
+            raise ValueError(f"dataset {source!r} has no prompt column {prompt_column!r}; its columns are "
+                             f"{ds.column_names}: pass --prompt-column with one of them")
+        if answer_column and answer_column not in ds.column_names:
+            raise ValueError(f"dataset {source!r} has no answer column {answer_column!r}; its columns are "
+                             f"{ds.column_names}: pass --answer-column with one of them (or none)")
+        rows = ds.to_list()
+    if not rows:
+        raise ValueError(f"dataset {source!r} (split {split!r}) is empty")
+    out = []
+    for i, r in enumerate(rows):
+        p = r.get(prompt_column)
+        if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in p)):
+            raise ValueError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty string "
+                             f"or a list of {{'role', 'content'}} messages, got {str(p)[:80]!r}")
+        extra = {k: v for k, v in r.items() if k not in (prompt_column, answer_column)}
+        out.append({"prompt": p, "answer": None if answer_column is None else str(r[answer_column]), **extra})
+    return out
+
+
+def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int):
+    """Adds 'text' and 'ids' to each row; rows whose prompt is longer than the limit are
+    dropped. Returns (kept rows, number skipped)."""
+    kept, skipped = [], 0
+    for r in rows:
+        text, special = tok.render(r["prompt"])
+        ids = tok.encode(text, special)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        kept.append({**r, "text": text, "ids": ids})
+    if not kept:
+        raise ValueError(f"every prompt is longer than --max-prompt-tokens={max_prompt_tokens}; raise it")
+    return kept, skipped
+
+
+def step_indices(n_rows: int, step: int, batch: int, seed: int) -> list[int]:
+    """The global batch of step `step`: row indices from a per-epoch shuffle (stateless, so
+    resuming at a step needs no loader state)."""
+    out = []
+    start = step * batch
+    while len(out) < batch:
+        epoch, offset = divmod(start + len(out), n_rows)
+        order = list(range(n_rows))
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+        out.extend(order[offset:offset + batch - len(out)])
+    return out
+
+
+def rank_slice(items: list, rank: int, world: int) -> list:
+    if len(items) % world:
+        raise ValueError(f"the global batch of {len(items)} prompts does not split over {world} ranks; "
+                         f"make --prompts-per-step a multiple of {world}")
+    per = len(items) // world
+    return items[rank * per:(rank + 1) * per]
+
+
+def prompt_seed(seed: int, step: int, index: int) -> int:
+    """A 31-bit seed for one prompt of the global batch: the same on any rank or placement."""
+    return random.Random(f"{seed}-{step}-{index}").getrandbits(31)

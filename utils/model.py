@@ -1,0 +1,372 @@
+"""A Qwen2 / Llama decoder in plain torch, with HF safetensors load and save.
+
+Parameter names are the Hugging Face names (`model.layers.0.self_attn.q_proj.weight`),
+so a state dict goes to transformers, to vLLM's `load_weights` and back without a
+rename table. The model is built on the meta device and materialised with
+`to_empty` (torchtitan's pattern), so FSDP2 can shard it before any full copy exists.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str = "Qwen2ForCausalLM"
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = True  # Qwen2 has q/k/v bias, Llama usually not
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict = field(default_factory=dict)  # the rest of config.json, written back unchanged
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(d.get("model_type"))
+        if arch not in SUPPORTED:
+            raise ValueError(
+                f"unsupported architecture {arch or d.get('model_type')!r} in config.json; "
+                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Llama)")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE with a theta)")
+        if d.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported; set use_sliding_window false")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        heads = d["num_attention_heads"]
+        known = {f for f in cls.__dataclass_fields__} | {"architectures", "rope_parameters", "model_type"}
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            attention_bias=True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    def to_hf(self) -> dict:
+        d = dict(self.extra)
+        d.update(
+            architectures=[self.architecture], model_type=SUPPORTED[self.architecture],
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rope_theta=self.rope_theta,  # older transformers / vLLM read it here
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+        )
+        if self.architecture == "LlamaForCausalLM":
+            d.update(attention_bias=self.attention_bias, mlp_bias=False)
+        elif not self.attention_bias:
+            raise ValueError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
+        return d
+
+    def num_params(self, embeddings: bool = True) -> int:
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        bias = (q + 2 * kv + (h if self.architecture == "LlamaForCausalLM" else 0)) if self.attention_bias else 0
+        attn = h * q + 2 * h * kv + q * h + bias
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + h + (emb if embeddings else 0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias and cfg.architecture == "LlamaForCausalLM")
+
+    def forward(self, x, cos, sin, mask, cache, layer: int):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, KV, S, D]
+        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, KV, S, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:  # write this step's keys into the preallocated cache, attend to all so far
+            k, v = cache.update(layer, k, v)  # [B, KV, L, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and S > 1, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, self.index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """Holds the `model.*` parameters, so that names match HF's."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KVCache:
+    """Preallocated keys and values for a batch: [layers, B, KV, max_len, D]; `pos` is the fill level."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.pos = 0
+
+    def update(self, layer: int, k, v):
+        end = self.pos + k.shape[2]
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
+
+    def init_buffers(self):
+        """Fill the non-persistent RoPE buffer (it is garbage after `to_empty`)."""
+        d = self.config.head_dim
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    def init_weights(self, seed: int = 0, std: float = 0.02):
+        """Random init (for tests and fresh models), deterministic in `seed` whatever the device."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        self.init_buffers()
+
+    def forward(self, tokens, positions=None, mask=None, cache: KVCache | None = None, logits_from: int = 0):
+        """tokens [B, S]; positions [B, S] (default 0..S-1 after the cache); mask: bool [B, 1, S, L]
+        (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32."""
+        B, S = tokens.shape
+        start = cache.pos if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(start, start + S, device=tokens.device).expand(B, S)
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
+        h = self.model.embed_tokens(tokens)  # [B, S, h]
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, mask, cache)
+        if cache is not None:
+            cache.pos += S
+        h = self.model.norm(h[:, logits_from:])
+        return self.lm_head(h).float()  # [B, S', V]
+
+
+def attention_mask(valid, query_len: int | None = None):
+    """Causal mask over a left/right padded batch. valid: bool [B, L] (False = padding).
+    Returns bool [B, 1, Q, L] for the last Q query positions (Q = L by default). Every query
+    also sees itself, so a padding row never has an empty softmax (its output is ignored)."""
+    B, L = valid.shape
+    Q = L if query_len is None else query_len
+    q_idx = torch.arange(L - Q, L, device=valid.device)[:, None]  # [Q, 1]
+    k_idx = torch.arange(L, device=valid.device)[None, :]  # [1, L]
+    causal = k_idx <= q_idx  # [Q, L]
+    return ((causal[None] & valid[:, None, :]) | (k_idx == q_idx)[None])[:, None]  # [B, 1, Q, L]
+
+
+def positions_from(valid):
+    """Position ids that skip left padding: valid [B, L] -> [B, L]."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ---------------------------------------------------------------- HF checkpoint directories
+
+def read_config(path: str) -> ModelConfig:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(
+            f"{path!r} has no config.json; point --model at a Hugging Face checkpoint directory "
+            "(config.json, *.safetensors, tokenizer.json)")
+    with open(cfg_file) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def build(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:
+    """Build on meta, then allocate on `device` (weights uninitialised: load or init them)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty/to make a new tensor per module: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_buffers()
+    return model
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def iter_checkpoint(path: str):
+    """Yields (hf_name, tensor) from a checkpoint directory, one tensor at a time."""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_state(model: Transformer, weights, strict: bool = True):
+    """Copies (hf_name, tensor) pairs into `model` in place (DTensor-aware: a sharded
+    parameter takes its local shard of the full tensor)."""
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                if strict:
+                    raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+                continue
+            p = params[name]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(p.shape)}"
+                                 " (is this checkpoint from a different model config?)")
+            if hasattr(p, "device_mesh"):  # DTensor under FSDP2: copy our shard only
+                from torch.distributed.tensor import distribute_tensor
+                tensor = distribute_tensor(tensor.to(p.device, p.dtype), p.device_mesh, p.placements).to_local()
+                p.to_local().copy_(tensor)
+            else:
+                p.copy_(tensor)
+            seen.add(name)
+    missing = set(params) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    if strict and missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def load_model(path: str, device="cpu", dtype=torch.float32) -> Transformer:
+    model = build(read_config(path), device, dtype)
+    load_state(model, iter_checkpoint(path))
+    return model
+
+
+def save_model(model_or_state, cfg: ModelConfig, path: str, tokenizer_dir: str | None = None, dtype=None):
+    """Writes config.json + model.safetensors (HF layout; tied lm_head left out as HF does),
+    and copies tokenizer files from `tokenizer_dir`."""
+    os.makedirs(path, exist_ok=True)
+    items = model_or_state.state_dict().items() if isinstance(model_or_state, nn.Module) else model_or_state
+    state = {}
+    for name, t in items:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = t.detach().cpu()
+        state[name] = (t.to(dtype) if dtype else t).contiguous()
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = hf["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(path):
+        import shutil
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+
+
+def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
+    """Forward FLOPs per token: 2 x matmul params (embeddings' lookup excluded, lm_head
+    included) plus attention scores over `context` keys (Kaplan et al. 2020, table 1)."""
+    n = cfg.num_params(embeddings=False) + cfg.vocab_size * cfg.hidden_size
+    return 2 * n + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+
