@@ -216,3 +216,33 @@ def rank_slice(items: list, rank: int, world: int) -> list:
 def prompt_seed(seed: int, step: int, index: int) -> int:
     """A 31-bit seed for one prompt of the global batch: the same on any rank or placement."""
     return random.Random(f"{seed}-{step}-{index}").getrandbits(31)
+
+
+def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int) -> dict:
+    """Training layout: left-padded prompt then right-padded completion, one row per sample.
+    prompts: one id list per row; tokens [N, T], lengths [N] from the engine. Returns
+    input_ids [N, P+T], valid [N, P+T] (False = padding), mask [N, T] (completion tokens, float)
+    and prompt_len P."""
+    import torch
+
+    N, T = tokens.shape
+    P = max(map(len, prompts))
+    input_ids = torch.full((N, P + T), pad_id, dtype=torch.long)
+    valid = torch.zeros(N, P + T, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        valid[i, P - len(p):P] = True
+    mask = torch.arange(T)[None] < lengths[:, None]  # [N, T]
+    input_ids[:, P:] = torch.where(mask, tokens, pad_id)
+    valid[:, P:] = mask
+    return {"input_ids": input_ids, "valid": valid, "mask": mask.float(), "prompt_len": P}
+
+
+def micro_batches(batch: dict, size: int):
+    """Row slices of a batch dict (tensors with a leading row dimension are sliced, the rest kept)."""
+    import torch
+
+    N = batch["input_ids"].shape[0]
+    for s in range(0, N, size):
+        yield {k: v[s:s + size] if torch.is_tensor(v) and v.dim() and v.shape[0] == N else v
+               for k, v in batch.items()}

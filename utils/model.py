@@ -257,6 +257,16 @@ def attention_mask(valid, query_len: int | None = None):
     return ((causal[None] & valid[:, None, :]) | (k_idx == q_idx)[None])[:, None]  # [B, 1, Q, L]
 
 
+def completion_logprobs(model, batch, temperature: float):
+    """log pi(token) of each completion token of a packed batch (utils.data.make_batch) ->
+    [N, T]. Logits are made for completion positions only (the prompt's are never needed)."""
+    from utils.algos import token_logprobs
+
+    P, valid = batch["prompt_len"], batch["valid"]
+    logits = model(batch["input_ids"], positions_from(valid), attention_mask(valid), logits_from=P - 1)
+    return token_logprobs(logits[:, :-1], batch["input_ids"][:, P:], temperature)  # [N, T]
+
+
 def positions_from(valid):
     """Position ids that skip left padding: valid [B, L] -> [B, L]."""
     return (valid.long().cumsum(-1) - 1).clamp(min=0)
@@ -325,7 +335,9 @@ def load_state(model: Transformer, weights, strict: bool = True):
                                  " (is this checkpoint from a different model config?)")
             if hasattr(p, "device_mesh"):  # DTensor under FSDP2: copy our shard only
                 from torch.distributed.tensor import distribute_tensor
-                tensor = distribute_tensor(tensor.to(p.device, p.dtype), p.device_mesh, p.placements).to_local()
+                # src_data_rank=None: every rank read the same file, so each slices locally (no traffic)
+                tensor = distribute_tensor(tensor.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                           src_data_rank=None).to_local()
                 p.to_local().copy_(tensor)
             else:
                 p.copy_(tensor)

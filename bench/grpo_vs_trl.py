@@ -1,0 +1,100 @@
+"""Our GRPO step against TRL's GRPOTrainer: same checkpoint, same batch shape, one process each.
+
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 trl   # TRL in its own venv
+    .venv/bin/python bench/grpo_vs_trl.py --trl-python .venv-trl/bin/python
+
+../shared/bench/trl_grpo_cpu.py builds the checkpoint (a random 2.6M-param Qwen2) and times
+TRL; we run train_grpo.py on that directory with a dataset of the same kind of prompts,
+8 prompts x 8 samples x 64 new tokens, ref model off (TRL's default beta is 0). The two
+alternate (rounds), and each reports the median step time after its first step. The
+step's model FLOPs: generation 2*N per token (plus attention), training 6*N per token of
+prompt+completion (forward + backward); N counts every matmul weight (lm_head included).
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from common import matmul_gflops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from utils.model import flops_per_token, read_config  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl/bin/python"))
+ap.add_argument("--trl-script", default=os.path.join(ROOT, "../shared/bench/trl_grpo_cpu.py"))
+ap.add_argument("--steps", type=int, default=6)
+ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "grpo-vs-trl"))
+args = ap.parse_args()
+P, G, T = 8, 8, 64
+
+
+def run(cmd):
+    """Runs one process; returns its stdout and its own peak RSS in MiB (os.wait4's rusage)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(p.pid, 0)
+        out.seek(0), err.seek(0)
+        stdout = out.read()
+        if status:
+            sys.exit(f"{cmd[:3]} failed:\n{stdout[-2000:]}\n{err.read()[-3000:]}")
+    return stdout, usage.ru_maxrss / 1024
+
+
+def trl():
+    out, rss = run([args.trl_python, args.trl_script, "--steps", str(args.steps), "--workdir", args.workdir,
+                    "--prompts-per-step", str(P), "--num-generations", str(G), "--max-new-tokens", str(T)])
+    res = json.loads(out.strip().splitlines()[-1])
+    return res["s_per_step_median"], rss, res["model_dir"]
+
+
+def ours(model_dir, data):
+    run_dir = os.path.join(args.workdir + "-ours", "run")
+    out, rss = run([sys.executable, "train_grpo.py", "--model", model_dir, "--dataset", data, "--eval-every", "0",
+                    "--steps", str(args.steps), "--prompts-per-step", str(P), "--num-generations", str(G),
+                    "--max-new-tokens", str(T), "--run-dir", run_dir, "--no-save-final", "--lr", "1e-5"])
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][:args.steps]
+    lens = [r["rollout/response_len"] for r in rows[1:]]
+    return statistics.median(r["perf/step_s"] for r in rows[1:]), rss, statistics.mean(lens)
+
+
+results = {"TRL GRPOTrainer": [], "ours (train_grpo.py)": []}
+rss = {k: 0.0 for k in results}
+model_dir = data = None
+for r in range(args.rounds):
+    s, m, model_dir = trl()
+    results["TRL GRPOTrainer"].append(s)
+    rss["TRL GRPOTrainer"] = max(rss["TRL GRPOTrainer"], m)
+    if data is None:
+        rng = random.Random(0)
+        data = os.path.join(args.workdir + "-ours", "prompts.jsonl")  # TRL's script wipes its workdir
+        os.makedirs(os.path.dirname(data), exist_ok=True)
+        with open(data, "w") as f:
+            for _ in range(512):
+                a, b = rng.randint(0, 99), rng.randint(0, 99)
+                f.write(json.dumps({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)}) + "\n")
+    s, m, mean_len = ours(model_dir, data)
+    results["ours (train_grpo.py)"].append(s)
+    rss["ours (train_grpo.py)"] = max(rss["ours (train_grpo.py)"], m)
+
+cfg = read_config(model_dir)
+prompt_len = 12  # "What is 12 + 34? Answer:" in the bench tokenizer: measured range 11-13 tokens
+gen = sum(flops_per_token(cfg, prompt_len + t) for t in range(T)) * P * G
+train = 3 * flops_per_token(cfg, (prompt_len + T) // 2) * (prompt_len + T) * P * G
+roof = matmul_gflops()
+print(f"\n{P} prompts x {G} samples x {T} new tokens; {cfg.num_params() / 1e6:.2f}M params; "
+      f"step FLOPs {(gen + train) / 1e9:.0f} G (generate {gen / 1e9:.0f} + train {train / 1e9:.0f}); "
+      f"fp32 matmul roof {roof:.0f} GFLOP/s; our mean completion length {mean_len:.1f}\n")
+print(f"| {'trainer':<22} | {'s/step (median)':>15} | {'peak RSS MiB':>12} | {'MFU':>6} |")
+print(f"|{'-' * 24}|{'-' * 17}|{'-' * 14}|{'-' * 8}|")
+for k, v in results.items():
+    s = statistics.median(v)
+    print(f"| {k:<22} | {s:15.3f} | {rss[k]:12.0f} | {(gen + train) / s / 1e9 / roof:6.1%} |")
+ratio = statistics.median(results["ours (train_grpo.py)"]) / statistics.median(results["TRL GRPOTrainer"])
+print(f"\nours / TRL seconds per step: {ratio:.2f}x   (per-round: {results})")

@@ -1,0 +1,46 @@
+"""Run under torchrun by tests/test_fsdp.py: one FSDP2 train step on a fixed global batch
+(each rank takes its rows), then rank 0 writes the gathered full weights."""
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import placement  # noqa: E402
+from roles.actor import Actor  # noqa: E402
+from utils import dist  # noqa: E402
+from utils.data import make_batch, rank_slice  # noqa: E402
+from utils.model import load_model  # noqa: E402
+
+model_dir, out, loss_agg, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rank, world, device = dist.init(timeout_s=60)
+plan = placement.plan("colocate", rank, world, device, prompts_per_step=world)
+actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0)
+
+# the gathered weights equal the checkpoint's, exactly
+full = dict(actor.full_weights())
+ref = load_model(model_dir).state_dict()
+ok = all(torch.equal(full[k], ref[k]) for k in full) and set(full) | {"lm_head.weight"} >= set(ref)
+
+g = torch.Generator().manual_seed(0)
+N, T = 8, 5
+prompts = [torch.randint(1, 200, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+           for _ in range(N)]
+tokens = torch.randint(1, 200, (N, T), generator=g)
+lengths = torch.randint(1, T + 1, (N,), generator=g)
+batch = make_batch(prompts, tokens, lengths, 0)
+batch["behaviour"] = -torch.rand(N, T, generator=g) * 3
+adv = torch.randn(N, generator=g)
+norm = (batch["mask"].sum().item() if loss_agg == "token" else N) / world
+rows = rank_slice(list(range(N)), rank, world)
+batch["adv"] = adv
+mine = {k: (v[rows[0]:rows[-1] + 1] if torch.is_tensor(v) else v) for k, v in batch.items()}
+actor.train_step(mine, temperature=0.9, clip_low=0.2, clip_high=0.2, kl_coef=0.0,
+                 kl_estimator="k3", loss_agg=loss_agg, norm=norm, micro_batch_size=micro)
+after = {k: v.contiguous() for k, v in actor.full_weights()}
+if rank == 0:
+    save_file(after, out)
+    with open(out + ".gather_ok", "w") as f:
+        f.write(str(ok))
+dist.close()

@@ -1,0 +1,16 @@
+"""User reward functions for the tests, loaded as `tests.helpers.rewards:NAME`."""
+
+
+def flaky(prompts, completions, **columns):
+    """Raises whenever the batch holds a completion ending in an odd digit; 1.0 otherwise."""
+    if any(c[-1:] in "13579" for c in completions):
+        raise RuntimeError("flaky reward")
+    return [1.0] * len(completions)
+
+
+def wrong_length(prompts, completions, **columns):
+    return [0.0]
+
+
+def length_bonus(prompts, completions, answer, **columns):
+    return [len(c) / 10 for c in completions]

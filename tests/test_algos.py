@@ -1,0 +1,72 @@
+"""The pure RL functions against plain-Python loops."""
+import math
+
+import pytest
+import torch
+
+from utils import algos
+
+
+def test_group_advantages_match_a_loop():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 2.0, 0.0]])
+    for scale in (True, False):
+        got = algos.group_advantages(r, scale_std=scale)
+        for g, row in enumerate(r.tolist()):
+            mean = sum(row) / len(row)
+            std = math.sqrt(sum((x - mean) ** 2 for x in row) / (len(row) - 1))
+            for j, x in enumerate(row):
+                want = (x - mean) / (std + 1e-6) if scale else x - mean
+                assert got[g, j].item() == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_estimators_match_a_loop(kind):
+    logp, ref = torch.randn(3, 5) - 2, torch.randn(3, 5) - 2
+    got = algos.kl_estimate(logp, ref, kind)
+    for i in range(3):
+        for t in range(5):
+            lr = ref[i, t].item() - logp[i, t].item()
+            want = {"k1": -lr, "k2": lr * lr / 2, "k3": math.exp(lr) - 1 - lr}[kind]
+            assert got[i, t].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        algos.kl_estimate(logp, ref, "k4")
+
+
+def test_k3_is_unbiased_for_kl():
+    """E_pi[k3] = KL(pi || ref) on a small categorical (exactly, by enumeration)."""
+    pi, ref = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
+    k3 = algos.kl_estimate(pi.log(), ref.log(), "k3")
+    assert (pi * k3).sum().item() == pytest.approx((pi * (pi / ref).log()).sum().item(), rel=1e-5)
+
+
+def test_clipped_surrogate_matches_a_loop():
+    torch.manual_seed(0)
+    logp, old = torch.randn(4, 6) * 0.3 - 1, torch.randn(4, 6) * 0.3 - 1
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0])
+    loss, clipped = algos.clipped_surrogate(logp, old, adv, 0.2, 0.28)
+    for i in range(4):
+        for t in range(6):
+            ratio = math.exp(logp[i, t].item() - old[i, t].item())
+            a = adv[i].item()
+            c = min(max(ratio, 0.8), 1.28)
+            assert loss[i, t].item() == pytest.approx(-min(ratio * a, c * a), rel=1e-5)
+            assert clipped[i, t].item() == (c * a < ratio * a)
+
+
+def test_aggregate_matches_a_loop():
+    per = torch.randn(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
+    tok = sum(per[i, t].item() for i in range(3) for t in range(4) if mask[i, t]) / 7
+    seq = sum(sum(per[i, t].item() for t in range(4) if mask[i, t]) / mask[i].sum().item() for i in range(3)) / 3
+    assert algos.aggregate(per, mask, "token", 7).item() == pytest.approx(tok, rel=1e-5)
+    assert algos.aggregate(per, mask, "sequence", 3).item() == pytest.approx(seq, rel=1e-5)
+
+
+def test_token_logprobs_match_a_loop():
+    logits, tokens = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    got = algos.token_logprobs(logits, tokens, temperature=0.5)
+    for b in range(2):
+        for t in range(3):
+            z = [x / 0.5 for x in logits[b, t].tolist()]
+            lse = math.log(sum(math.exp(x) for x in z))
+            assert got[b, t].item() == pytest.approx(z[tokens[b, t]] - lse, rel=1e-5)

@@ -1,0 +1,52 @@
+"""The GRPO script end to end under torchrun (2 ranks, gloo), with timeouts."""
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+from test_fsdp import torchrun
+
+TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
+        "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    flags = TINY + ["--kl-coef", "0.05", "--rewards", "accuracy", "tests.helpers.rewards:flaky"]
+    p = torchrun(2, "train_grpo.py", *flags, "--run-dir", a)
+    assert "step    3/3" in p.stdout
+    rows = metrics(a)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
+    for r in rows[:3]:
+        for key in ("rollout/reward", "train/kl", "train/clip_frac", "rollout/response_len", "perf/generate_s",
+                    "perf/reference_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
+                    "train/logprob_gap_mean", "train/logprob_gap_max"):
+            assert key in r, key
+        assert r["train/logprob_gap_max"] < 1e-4  # fp32 engine and trainer agree on the sampled tokens
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    assert sum(r["reward/failures"] for r in rows[:3]) > 0  # the flaky reward raised, and the run went on
+    assert rows[1]["train/kl"] > 0  # the reference model exists and the policy moved away from it
+    before = load_file("assets/arith-tiny/model.safetensors")
+    after = load_file(os.path.join(a, "final", "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    torchrun(2, "train_grpo.py", *flags, "--run-dir", b)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]  # noqa: E731
+    assert strip(metrics(a)) == strip(metrics(b))
+
+
+def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           "--prompts-per-step", "3", "--run-dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "use a multiple such as [2, 4, 6]" in p.stderr

@@ -1,0 +1,243 @@
+"""GRPO with FSDP2 and parallel controllers.
+
+    torchrun --standalone --nproc-per-node 2 train_grpo.py          # the built-in task, offline
+
+Every rank runs this same script and is the controller of its own share of each step's
+prompts (G-Core's parallel controllers): it generates, scores and computes its groups'
+advantages itself; no rank ever gathers the batch. Only FSDP2's collectives (weight
+all-gather, gradient reduce-scatter) and the metric reductions are global.
+"""
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+import placement
+from roles.actor import Actor
+from roles.reference import Reference
+from roles.reward import Reward
+from roles.rollout import NativeEngine, SamplingParams
+from utils import algos, dist
+from utils.data import (BUILTIN, Tokenizer, load_rows, make_batch, micro_batches, prompt_seed, rank_slice,
+                        step_indices, tokenize_rows)
+from utils.logger import Logger
+from utils.model import save_model
+
+
+@dataclass
+class Args:
+    model: str = "assets/arith-tiny"
+    """local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"""
+    dataset: str = BUILTIN
+    """'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id"""
+    prompt_column: str = "prompt"
+    """dataset column holding the prompt (a string or a list of chat messages)"""
+    answer_column: str | None = "answer"
+    """dataset column holding the reference answer (none: reward functions get no answer)"""
+    eval_dataset: str | None = None
+    """held-out prompts; default: the built-in task's eval split, or a hub id's 'test' split"""
+    eval_every: int = 25
+    """evaluate the held-out reward every this many steps (0: never)"""
+    eval_prompts: int = 256
+    """at most this many held-out prompts per evaluation"""
+    steps: int = 250
+    """optimizer steps (one rollout batch each)"""
+    prompts_per_step: int = 64
+    """prompts per step over all ranks (each rank takes prompts_per_step / world)"""
+    num_generations: int = 8
+    """completions per prompt: the group of GRPO's group-relative advantage"""
+    max_new_tokens: int = 8
+    """completion length limit"""
+    max_prompt_tokens: int = 256
+    """longer prompts are skipped and counted"""
+    temperature: float = 1.0
+    """sampling temperature (also applied to the trainer's log-probs)"""
+    top_p: float = 1.0
+    """nucleus sampling mass"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    rewards: tuple[str, ...] = ("accuracy",)
+    """reward terms: accuracy, format, or module:function (fn(prompts, completions, **columns))"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward term (default: all 1)"""
+    scale_std: bool = True
+    """divide group advantages by the group's reward std (GRPO); off = Dr. GRPO"""
+    lr: float = 3e-4
+    """AdamW learning rate (after warm-up)"""
+    warmup_steps: int = 3
+    """linear learning-rate warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    clip_low: float = 0.2
+    """PPO ratio clip below: 1 - clip_low"""
+    clip_high: float = 0.28
+    """PPO ratio clip above: 1 + clip_high (DAPO's clip-higher)"""
+    kl_coef: float = 0.0
+    """KL penalty to the reference policy (0: no reference model is built)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman 2020)"""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """token: every token weighs the same (DAPO); sequence: mean per completion first (GRPO)"""
+    minibatches: int = 1
+    """optimizer steps per rollout batch (>1: later ones are off-policy; the ratio and clip handle it)"""
+    micro_batch_size: int = 64
+    """completions per forward/backward on each rank"""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
+    placement: Literal["colocate"] = "colocate"
+    """colocate: every rank trains and generates, taking turns"""
+    seed: int = 0
+    """seeds init, data order and sampling (per prompt: results do not depend on the ranks)"""
+    run_dir: str = "runs/grpo"
+    """metrics.jsonl, config.json and the final model (final/, HF format) go here"""
+    save_final: bool = True
+    """write the trained policy as a HF checkpoint to run_dir/final at the end"""
+    track: bool = False
+    """log to wandb (pip install wandb)"""
+    wandb_project: str = "rl-trainer"
+    """wandb project name"""
+    timeout_s: float = 300.0
+    """a collective waiting longer than this fails (a dead rank must not hang the job)"""
+
+
+def generate(engine, rows, params, seeds):
+    prompts = [r["ids"] for r in rows]
+    return prompts, engine.generate(prompts, params, seeds)
+
+
+def evaluate(engine, scorer, rows, args, rank, world):
+    """Held-out accuracy: one sample per prompt at the training temperature, seeded per prompt."""
+    mine = rows[rank::world]
+    params = SamplingParams(1, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
+    _, out = generate(engine, mine, params, [prompt_seed(args.seed, -1, rank + i * world) for i in range(len(mine))])
+    correct = scorer.score([r["prompt"] for r in mine], out.texts, {
+        "answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons})[0]
+    return dist.reduce({"correct": correct.sum(), "count": len(mine)})
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    rank, world, device = dist.init(args.timeout_s)
+    plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step)
+    torch.manual_seed(args.seed)
+    param_dtype = getattr(torch, args.param_dtype)
+
+    # data: every rank tokenises the same rows and later takes its own slice of each step
+    tok = Tokenizer(args.model)
+    rows, skipped = tokenize_rows(load_rows(args.dataset, "train", args.prompt_column, args.answer_column, args.seed),
+                                  tok, args.max_prompt_tokens)
+    eval_source = args.eval_dataset or (BUILTIN if args.dataset == BUILTIN else None)
+    if eval_source is None and not os.path.exists(args.dataset):
+        eval_source = args.dataset  # a hub id: its test split
+    eval_rows = []
+    if eval_source and args.eval_every:
+        eval_rows = tokenize_rows(load_rows(eval_source, "test", args.prompt_column, args.answer_column, args.seed),
+                                  tok, args.max_prompt_tokens)[0][:args.eval_prompts]
+
+    # roles
+    actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
+                  args.max_grad_norm, param_dtype)
+    ref = Reference(args.model, plan.mesh, device, param_dtype) if args.kl_coef > 0 else None
+    reward = Reward(args.rewards, args.reward_weights)
+    reward_eval = Reward(["accuracy"])
+    engine = NativeEngine(actor.config, tok, device, param_dtype)
+    sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
+    log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project) if rank == 0 else None
+    if rank == 0:
+        print(f"{world} rank(s), {args.placement}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
+              f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
+              flush=True)
+
+    per_rank = args.prompts_per_step // world
+    for step in range(args.steps + 1):  # the extra step only evaluates the final policy
+        t_step = time.perf_counter()
+        metrics = {}
+        # weight sync: gather the actor's shards into this rank's engine
+        sync = placement.sync(actor, engine)
+        if args.eval_every and eval_rows and (step % args.eval_every == 0 or step == args.steps):
+            e = evaluate(engine, reward_eval, eval_rows, args, rank, world)
+            metrics["eval/accuracy"] = e["correct"] / e["count"]
+        if step == args.steps:
+            placement.release(engine)
+            if rank == 0:
+                log.log(step - 1, {"final": True, **metrics})
+            break
+
+        # rollout: this rank's prompts only, seeded per (seed, step, prompt) so placement does not matter
+        batch_idx = step_indices(len(rows), step, args.prompts_per_step, args.seed)
+        mine = rank_slice(list(enumerate(batch_idx)), rank, world)
+        local = [rows[i] for _, i in mine]
+        t = time.perf_counter()
+        prompts, out = generate(engine, local, sampling, [prompt_seed(args.seed, step, pos) for pos, _ in mine])
+        gen_s = time.perf_counter() - t
+        placement.release(engine)
+
+        # reward and group advantages, all local to this controller
+        n = args.num_generations
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 (per prompt -> per sample)
+        columns = {k: rep([r.get(k) for r in local]) for k in local[0] if k not in ("prompt", "text", "ids")}
+        rewards, parts, failures = reward.score(rep([r["prompt"] for r in local]), out.texts,
+                                                {**columns, "finish_reason": out.finish_reasons})
+        adv = algos.group_advantages(rewards.view(per_rank, n), args.scale_std).view(-1)  # [N]
+
+        batch = make_batch(rep(prompts), out.tokens, out.lengths, tok.pad_id)
+        batch.update(behaviour=out.logprobs, adv=adv)
+        t = time.perf_counter()
+        if ref:
+            batch["ref"] = ref.logprobs(batch, args.temperature, args.micro_batch_size)
+        ref_s = time.perf_counter() - t
+
+        # update: each minibatch's loss is normalised by its token (or sequence) count over all ranks
+        minis = list(micro_batches(batch, -(-len(rewards) // args.minibatches)))
+        counts = dist.reduce({f"{k}{i}": (m["mask"].sum() if k == "tokens" else len(m["adv"]))
+                              for i, m in enumerate(minis) for k in ("tokens", "seqs")})
+        t = time.perf_counter()
+        sums, maxes = {}, {}
+        for i, mini in enumerate(minis):
+            s, m = actor.train_step(
+                mini, temperature=args.temperature, clip_low=args.clip_low, clip_high=args.clip_high,
+                kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
+                norm=counts[f"{'tokens' if args.loss_agg == 'token' else 'seqs'}{i}"] / world,
+                micro_batch_size=args.micro_batch_size)
+            sums = {k: sums.get(k, 0) + v for k, v in s.items()}
+            maxes = {k: torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v)) for k, v in m.items()}
+        train_s = time.perf_counter() - t
+        counts = {"seqs": sum(v for k, v in counts.items() if k.startswith("seqs")),
+                  "tokens": sum(v for k, v in counts.items() if k.startswith("tokens"))}
+
+        # metrics: one sum-reduce and one max-reduce over ranks; rank 0 prints and writes them
+        groups = rewards.view(per_rank, n)
+        total = dist.reduce({
+            **sums, **{f"reward/{k}": v.sum() for k, v in parts.items()}, "reward": rewards.sum(),
+            "failures": failures, "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
+            "all_same": (groups.max(-1).values == groups.min(-1).values).sum()})
+        peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync,
+                            "step_s": time.perf_counter() - t_step}, op=torch.distributed.ReduceOp.MAX)
+        if rank == 0:
+            N, T = counts["seqs"], counts["tokens"]
+            metrics.update({
+                "rollout/reward": total["reward"] / N, "rollout/response_len": total["len"] / N,
+                "rollout/truncated": total["truncated"] / N, "rollout/groups_all_same": total["all_same"] / (N / n),
+                **{f"rollout/{k}": v / N for k, v in total.items() if k.startswith("reward/")},
+                "reward/failures": total["failures"],
+                "train/pg_loss": total["pg_loss"] / T, "train/kl": total["kl"] / T,
+                "train/clip_frac": total["clipped_tokens"] / T, "train/grad_norm": peak["grad_norm"],
+                "train/lr": actor.sched.get_last_lr()[0], "train/skipped": peak["skipped"],
+                "train/logprob_gap_mean": total["gap_sum"] / T, "train/logprob_gap_max": peak["gap_max"],
+                "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
+                "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
+                "perf/tokens_per_s": total["len"] / peak["step_s"],
+            })
+            log.log(step, metrics)
+    if args.save_final:  # every rank joins the gathers; rank 0 writes
+        weights = [(name, t.cpu()) for name, t in actor.full_weights()]
+        if rank == 0:
+            save_model(weights, actor.config, os.path.join(args.run_dir, "final"), tokenizer_dir=args.model)
+    if rank == 0:
+        log.close()
+    dist.close()

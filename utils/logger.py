@@ -1,0 +1,46 @@
+"""Rank 0's metrics: one printed line per step, the same numbers appended to a JSONL file,
+and wandb when asked (imported only then)."""
+import json
+import os
+import time
+
+
+class Logger:
+    def __init__(self, run_dir: str, config: dict, total_steps: int, track: bool = False, project: str = "rl"):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.file = open(self.path, "w")
+        self.total, self.start = total_steps, time.time()
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, default=str)
+        self.wandb = None
+        if track:
+            try:
+                import wandb
+            except ImportError as e:
+                raise SystemExit("--track needs wandb: pip install wandb") from e
+            self.wandb = wandb.init(project=project, config=config, dir=run_dir)
+
+    def log(self, step: int, metrics: dict):
+        metrics = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}}
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        print(self.line(step, metrics), flush=True)
+
+    def line(self, step: int, m: dict) -> str:
+        done = step + 1
+        elapsed = time.time() - self.start
+        eta = elapsed / done * (self.total - done) if done < self.total else 0
+        g = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"  # noqa: E731
+        return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/accuracy')} "
+                f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} | len {g('rollout/response_len', '{:.1f}')} "
+                f"| gen {g('perf/generate_s', '{:.2f}')}s ref {g('perf/reference_s', '{:.2f}')}s "
+                f"train {g('perf/train_s', '{:.2f}')}s sync {g('perf/sync_s', '{:.2f}')}s "
+                f"| {g('perf/tokens_per_s', '{:.0f}')} tok/s | {elapsed:.0f}s, eta {eta:.0f}s")
+
+    def close(self):
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
