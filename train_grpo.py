@@ -185,8 +185,8 @@ if __name__ == "__main__":
                                                 {**columns, "finish_reason": out.finish_reasons})
         adv = algos.group_advantages(rewards.view(per_rank, n), args.scale_std).view(-1)  # [N]
 
-        batch = make_batch(rep(prompts), out.tokens, out.lengths, tok.pad_id)
-        batch.update(behaviour=out.logprobs, adv=adv)
+        batch = make_batch(rep(prompts), out.tokens, out.lengths, tok.pad_id, device)
+        batch.update(behaviour=out.logprobs.to(device), adv=adv.to(device))
         t = time.perf_counter()
         if ref:
             batch["ref"] = ref.logprobs(batch, args.temperature, args.micro_batch_size)

@@ -29,7 +29,7 @@ class Actor:
         `algos.aggregate`. Returns this rank's metric sums and maxima (tensors; the caller
         reduces them over ranks at log time)."""
         sums = {"pg_loss": 0.0, "kl": 0.0, "clipped_tokens": 0.0, "gap_sum": 0.0}
-        gap_max = torch.zeros(())
+        gap_max = torch.zeros((), device=batch["mask"].device)
         mbs = list(micro_batches(batch, micro_batch_size))
         for i, mb in enumerate(mbs):
             # reduce-scatter the gradients after the last micro-batch only: no traffic for the others

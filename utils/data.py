@@ -218,7 +218,7 @@ def prompt_seed(seed: int, step: int, index: int) -> int:
     return random.Random(f"{seed}-{step}-{index}").getrandbits(31)
 
 
-def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int) -> dict:
+def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu") -> dict:
     """Training layout: left-padded prompt then right-padded completion, one row per sample.
     prompts: one id list per row; tokens [N, T], lengths [N] from the engine. Returns
     input_ids [N, P+T], valid [N, P+T] (False = padding), mask [N, T] (completion tokens, float)
@@ -235,7 +235,8 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int) -> dict:
     mask = torch.arange(T)[None] < lengths[:, None]  # [N, T]
     input_ids[:, P:] = torch.where(mask, tokens, pad_id)
     valid[:, P:] = mask
-    return {"input_ids": input_ids, "valid": valid, "mask": mask.float(), "prompt_len": P}
+    return {"input_ids": input_ids.to(device), "valid": valid.to(device), "mask": mask.float().to(device),
+            "prompt_len": P}
 
 
 def micro_batches(batch: dict, size: int):
