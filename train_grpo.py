@@ -19,7 +19,7 @@ import placement
 from roles.actor import Actor
 from roles.reference import Reference
 from roles.reward import Reward
-from roles.rollout import NativeEngine, SamplingParams
+from roles.rollout import SamplingParams, make_engine
 from utils import algos, dist
 from utils.data import (BUILTIN, Tokenizer, load_rows, make_batch, micro_batches, prompt_seed, rank_slice,
                         step_indices, tokenize_rows)
@@ -89,6 +89,8 @@ class Args:
     """completions per forward/backward on each rank"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
+    engine: Literal["auto", "native", "vllm"] = "auto"
+    """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
     placement: Literal["colocate"] = "colocate"
     """colocate: every rank trains and generates, taking turns"""
     seed: int = 0
@@ -145,11 +147,12 @@ if __name__ == "__main__":
     ref = Reference(args.model, plan.mesh, device, param_dtype) if args.kl_coef > 0 else None
     reward = Reward(args.rewards, args.reward_weights)
     reward_eval = Reward(["accuracy"])
-    engine = NativeEngine(actor.config, tok, device, param_dtype)
+    engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype,
+                         args.max_prompt_tokens + args.max_new_tokens, args.seed)
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
     log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project) if rank == 0 else None
     if rank == 0:
-        print(f"{world} rank(s), {args.placement}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
+        print(f"{world} rank(s), {args.placement}, {type(engine).__name__}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
               f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
               flush=True)
 
@@ -240,4 +243,5 @@ if __name__ == "__main__":
             save_model(weights, actor.config, os.path.join(args.run_dir, "final"), tokenizer_dir=args.model)
     if rank == 0:
         log.close()
+    engine.close()  # before the process group: vLLM built its own groups on it
     dist.close()

