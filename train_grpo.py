@@ -8,6 +8,7 @@ advantages itself; no rank ever gathers the batch. Only FSDP2's collectives (wei
 all-gather, gradient reduce-scatter) and the metric reductions are global.
 """
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -20,7 +21,7 @@ from roles.actor import Actor
 from roles.reference import Reference
 from roles.reward import Reward
 from roles.rollout import SamplingParams, make_engine
-from utils import algos, dist
+from utils import algos, checkpoint, dist
 from utils.data import (BUILTIN, Tokenizer, load_rows, make_batch, micro_batches, prompt_seed, rank_slice,
                         step_indices, tokenize_rows)
 from utils.logger import Logger
@@ -99,12 +100,27 @@ class Args:
     """metrics.jsonl, config.json and the final model (final/, HF format) go here"""
     save_final: bool = True
     """write the trained policy as a HF checkpoint to run_dir/final at the end"""
+    save_every: int = 50
+    """save the sharded training state (DCP) every this many steps, and on SIGTERM (0: SIGTERM only)"""
+    keep_last: int = 2
+    """complete checkpoints to keep"""
+    resume: str = "auto"
+    """auto: the newest complete checkpoint in run_dir, if any (what a torchrun restart needs); none; or a path"""
+    save_hf_every: int = 0
+    """also export a HF checkpoint (run_dir/hf/step_N) every this many steps (0: off)"""
     track: bool = False
     """log to wandb (pip install wandb)"""
     wandb_project: str = "rl-trainer"
     """wandb project name"""
     timeout_s: float = 300.0
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
+
+
+def export_hf(actor, path, rank, tokenizer_dir):
+    """Every rank joins the per-tensor gathers; rank 0 writes a HF checkpoint."""
+    weights = [(name, t.cpu()) for name, t in actor.full_weights()]
+    if rank == 0:
+        save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
 
 
 def generate(engine, rows, params, seeds):
@@ -150,14 +166,28 @@ if __name__ == "__main__":
     engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype,
                          args.max_prompt_tokens + args.max_new_tokens, args.seed)
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
-    log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project) if rank == 0 else None
+
+    # resume: the sharded state of the newest complete checkpoint (a partial one is skipped)
+    start = 0
+    path, partial = checkpoint.find(args.run_dir) if args.resume == "auto" else (None, [])
+    if args.resume not in ("auto", "none"):
+        path = args.resume
+    if partial and rank == 0:
+        print(f"ignoring incomplete checkpoint(s): {partial}", flush=True)
+    if path:
+        start = checkpoint.load(path, actor, rank)["step"]  # steps done
+        if rank == 0:
+            print(f"resumed from {path}: continuing at step {start + 1}", flush=True)
+    stop = {"sigterm": False}  # torchrun (or a scheduler) asks us to stop: save, then exit
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start) if rank == 0 else None
     if rank == 0:
         print(f"{world} rank(s), {args.placement}, {type(engine).__name__}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
               f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
               flush=True)
 
     per_rank = args.prompts_per_step // world
-    for step in range(args.steps + 1):  # the extra step only evaluates the final policy
+    for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
         t_step = time.perf_counter()
         metrics = {}
         # weight sync: gather the actor's shards into this rank's engine
@@ -220,7 +250,8 @@ if __name__ == "__main__":
             "failures": failures, "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
             "all_same": (groups.max(-1).values == groups.min(-1).values).sum()})
         peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync,
-                            "step_s": time.perf_counter() - t_step}, op=torch.distributed.ReduceOp.MAX)
+                            "step_s": time.perf_counter() - t_step, "sigterm": stop["sigterm"]},
+                           op=torch.distributed.ReduceOp.MAX)
         if rank == 0:
             N, T = counts["seqs"], counts["tokens"]
             metrics.update({
@@ -237,10 +268,16 @@ if __name__ == "__main__":
                 "perf/tokens_per_s": total["len"] / peak["step_s"],
             })
             log.log(step, metrics)
-    if args.save_final:  # every rank joins the gathers; rank 0 writes
-        weights = [(name, t.cpu()) for name, t in actor.full_weights()]
-        if rank == 0:
-            save_model(weights, actor.config, os.path.join(args.run_dir, "final"), tokenizer_dir=args.model)
+        if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
+            export_hf(actor, os.path.join(args.run_dir, "hf", f"step_{step + 1}"), rank, args.model)
+        if peak["sigterm"] or (args.save_every and (step + 1) % args.save_every == 0):
+            saved = checkpoint.save(args.run_dir, step + 1, actor, args.keep_last, rank)
+            if rank == 0:
+                print(f"saved {saved['path']} in {saved['seconds']:.2f}s", flush=True)
+            if peak["sigterm"]:
+                break
+    if args.save_final and not stop["sigterm"]:
+        export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
     if rank == 0:
         log.close()
     engine.close()  # before the process group: vLLM built its own groups on it

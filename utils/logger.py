@@ -6,11 +6,18 @@ import time
 
 
 class Logger:
-    def __init__(self, run_dir: str, config: dict, total_steps: int, track: bool = False, project: str = "rl"):
+    def __init__(self, run_dir: str, config: dict, total_steps: int, track: bool = False, project: str = "rl",
+                 resume_step: int = 0):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        kept = []
+        if resume_step and os.path.isfile(self.path):  # keep the rows before the checkpoint, drop the rest
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] < resume_step
+                        and not json.loads(line).get("final")]
         self.file = open(self.path, "w")
-        self.total, self.start = total_steps, time.time()
+        self.file.writelines(kept)
+        self.total, self.start, self.first = total_steps, time.time(), resume_step
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
         self.wandb = None
@@ -32,7 +39,7 @@ class Logger:
     def line(self, step: int, m: dict) -> str:
         done = step + 1
         elapsed = time.time() - self.start
-        eta = elapsed / done * (self.total - done) if done < self.total else 0
+        eta = elapsed / max(1, done - self.first) * (self.total - done) if done < self.total else 0
         g = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"  # noqa: E731
         return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/accuracy')} "
                 f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} | len {g('rollout/response_len', '{:.1f}')} "

@@ -1,0 +1,88 @@
+"""Checkpoints: atomic DCP saves, exact resume after a killed rank (torchrun elastic restart)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+from test_fsdp import ROOT, torchrun
+from test_train_grpo import TINY, metrics
+
+from utils import checkpoint
+
+FLAGS = [f for f in TINY if f not in ("--steps", "3")] + ["--steps", "10", "--save-every", "2"]
+strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]  # noqa: E731
+
+
+def test_partial_checkpoints_are_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / "meta.json").write_text("{}")
+    (root / "step_00000004.tmp").mkdir()  # killed while writing
+    (root / "step_00000006").mkdir()  # no meta.json: never finished
+    path, partial = checkpoint.find(str(tmp_path))
+    assert path.endswith("step_00000002")
+    assert [os.path.basename(p) for p in partial] == ["step_00000004.tmp", "step_00000006"]
+
+
+def workers(pid):
+    """The torchrun agent's worker processes: {local rank: pid}."""
+    out = {}
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        for child in map(int, f.read().split()):
+            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+            rank = [e for e in env if e.startswith(b"LOCAL_RANK=")]
+            if rank:
+                out[int(rank[0].split(b"=")[1])] = child
+    return out
+
+
+def test_kill_9_a_rank_then_resume_is_exact(tmp_path):
+    """2N steps straight == N steps, kill -9 of one rank, `--resume auto` in a new torchrun."""
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    torchrun(2, "train_grpo.py", *FLAGS, "--run-dir", straight)
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           *FLAGS, "--run-dir", killed]
+    log = open(tmp_path / "killed.log", "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while checkpoint.find(killed)[0] is None:  # wait for the first complete checkpoint
+        assert p.poll() is None and time.time() < deadline, open(tmp_path / "killed.log").read()[-3000:]
+        time.sleep(0.05)
+    os.kill(workers(p.pid)[1], signal.SIGKILL)
+    assert p.wait(timeout=120) != 0  # the job fails (the peer's collectives error out), it does not hang
+    done_before = len(metrics(killed))
+    assert done_before < len(metrics(straight))  # it was stopped part-way
+
+    out = torchrun(2, "train_grpo.py", *FLAGS, "--run-dir", killed).stdout
+    assert "resumed from" in out
+    a, b = metrics(straight), metrics(killed)
+    assert [r["step"] for r in b] == [r["step"] for r in a]  # every step once, none lost or doubled
+    assert strip(a) == strip(b)
+    wa = load_file(os.path.join(straight, "final", "model.safetensors"))
+    wb = load_file(os.path.join(killed, "final", "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    kept = [k for k in sorted(os.listdir(os.path.join(killed, "checkpoints"))) if not k.endswith(".tmp")]
+    assert kept == ["step_00000008", "step_00000010"]  # --keep-last 2
+
+
+def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           *FLAGS, "--steps", "200", "--save-every", "0", "--run-dir", run]
+    log = open(tmp_path / "run.log", "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
+        assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
+        time.sleep(0.05)
+    for pid in workers(p.pid).values():  # what a scheduler's preemption notice does
+        os.kill(pid, signal.SIGTERM)
+    p.wait(timeout=120)
+    path, _ = checkpoint.find(run)
+    assert path is not None, open(tmp_path / "run.log").read()[-3000:]
+    steps_done = int(os.path.basename(path).split("_")[1])
+    assert steps_done == len([r for r in metrics(run) if not r.get("final")]) >= 3  # saved at the step it stopped

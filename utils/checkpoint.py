@@ -1,0 +1,93 @@
+"""Sharded training state with torch.distributed.checkpoint (DCP), saved atomically.
+
+A checkpoint is a directory `run_dir/checkpoints/step_00000012/` (12 steps done) holding the DCP shards of
+the model and optimizer (each rank writes its own), `rank{r}.json` with that rank's RNG
+state, and `meta.json` (step, LR schedule, model shape) written last by rank 0. It is
+written as `step_00000012.tmp/` and renamed only when complete, so a job killed while
+saving leaves the previous checkpoint as the newest complete one. Nothing is pickled:
+tensors go through DCP, the rest is JSON.
+"""
+import base64
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+PREFIX = "step_"
+
+
+def _dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def find(run_dir: str) -> tuple[str | None, list[str]]:
+    """(newest complete checkpoint or None, partial ones that will be ignored)."""
+    root = _dir(run_dir)
+    if not os.path.isdir(root):
+        return None, []
+    complete, partial = [], []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(PREFIX) and not name.endswith(".tmp") and os.path.isfile(os.path.join(path, "meta.json")):
+            complete.append(path)
+        elif name.startswith(PREFIX):
+            partial.append(path)
+    return (complete[-1] if complete else None), partial
+
+
+def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | None = None) -> dict:
+    """Collective: every rank calls it after `step` steps are done. Returns seconds and the path."""
+    t = time.perf_counter()
+    final = os.path.join(_dir(run_dir), f"{PREFIX}{step:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump({"torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}, f)
+    dist.barrier()
+    if rank == 0:
+        meta = {"step": step, "scheduler": actor.sched.state_dict(), "model": actor.config.to_hf(),
+                "world": dist.get_world_size(), **(extra or {})}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        if os.path.exists(final):  # the same step saved again (a resumed run): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        done = sorted(p for p in os.listdir(_dir(run_dir)) if p.startswith(PREFIX) and not p.endswith(".tmp"))
+        for old in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(_dir(run_dir), old), ignore_errors=True)
+    dist.barrier()
+    return {"seconds": time.perf_counter() - t, "path": final}
+
+
+def load(path: str, actor, rank: int) -> dict:
+    """Collective: restores model and optimizer shards, LR schedule and RNG; returns meta."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    ours, theirs = actor.config.to_hf(), meta["model"]
+    shape_keys = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+    diff = {k: (theirs.get(k), ours.get(k)) for k in shape_keys if theirs.get(k) != ours.get(k)}
+    if diff:
+        raise ValueError(f"checkpoint {path} is from a different model shape (checkpoint, --model): {diff}; "
+                         "resume with the --model it was trained from, or start a new --run-dir")
+    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(actor.model, actor.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    actor.sched.load_state_dict(meta["scheduler"])
+    rank_file = os.path.join(path, f"rank{rank}.json")
+    if os.path.isfile(rank_file):  # a different world size: ranks beyond the old one keep their seed
+        with open(rank_file) as f:
+            rng = base64.b64decode(json.load(f)["torch_rng"])
+        torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+    return meta
