@@ -64,6 +64,12 @@ class Args:
     """reward terms: accuracy, format, or module:function (fn(prompts, completions, **columns))"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward term (default: all 1)"""
+    reward_timeout_s: float = 60.0
+    """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
+    code_timeout_s: float = 5.0
+    """the code reward's wall-clock limit per completion (sandboxed process)"""
+    code_memory_mb: int = 512
+    """the code reward's memory limit per completion"""
     scale_std: bool = True
     """divide group advantages by the group's reward std (GRPO); off = Dr. GRPO"""
     lr: float = 3e-4
@@ -74,6 +80,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    max_skipped_steps: int = 10
+    """a step whose gradients are NaN/inf is skipped and counted; after this many the run stops"""
     clip_low: float = 0.2
     """PPO ratio clip below: 1 - clip_low"""
     clip_high: float = 0.28
@@ -161,7 +169,7 @@ if __name__ == "__main__":
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype)
     ref = Reference(args.model, plan.mesh, device, param_dtype) if args.kl_coef > 0 else None
-    reward = Reward(args.rewards, args.reward_weights)
+    reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s, args.code_memory_mb)
     reward_eval = Reward(["accuracy"])
     engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype,
                          args.max_prompt_tokens + args.max_new_tokens, args.seed)
@@ -187,6 +195,7 @@ if __name__ == "__main__":
               flush=True)
 
     per_rank = args.prompts_per_step // world
+    skipped_steps = 0
     for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
         t_step = time.perf_counter()
         metrics = {}
@@ -252,6 +261,7 @@ if __name__ == "__main__":
         peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync,
                             "step_s": time.perf_counter() - t_step, "sigterm": stop["sigterm"]},
                            op=torch.distributed.ReduceOp.MAX)
+        skipped_steps += int(peak["skipped"])
         if rank == 0:
             N, T = counts["seqs"], counts["tokens"]
             metrics.update({
@@ -261,13 +271,17 @@ if __name__ == "__main__":
                 "reward/failures": total["failures"],
                 "train/pg_loss": total["pg_loss"] / T, "train/kl": total["kl"] / T,
                 "train/clip_frac": total["clipped_tokens"] / T, "train/grad_norm": peak["grad_norm"],
-                "train/lr": actor.sched.get_last_lr()[0], "train/skipped": peak["skipped"],
+                "train/lr": actor.sched.get_last_lr()[0], "train/skipped_steps": skipped_steps,
                 "train/logprob_gap_mean": total["gap_sum"] / T, "train/logprob_gap_max": peak["gap_max"],
                 "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
                 "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
                 "perf/tokens_per_s": total["len"] / peak["step_s"],
             })
             log.log(step, metrics)
+        if skipped_steps > args.max_skipped_steps:
+            raise SystemExit(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
+                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. The last "
+                             f"complete checkpoint is in {args.run_dir}/checkpoints")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
             export_hf(actor, os.path.join(args.run_dir, "hf", f"step_{step + 1}"), rank, args.model)
         if peak["sigterm"] or (args.save_every and (step + 1) % args.save_every == 0):

@@ -4,14 +4,25 @@ A reward is a sum of weighted terms, each either built in or `module:function`:
     accuracy   1 if the completion's final answer equals the row's answer (last number,
                `\\boxed{}` or `#### answer`, as math datasets write it), else 0
     format     1 if the completion ended by itself (EOS or a stop string) with an answer in it
+    code       1 if the completion's code (its last ```python block, or all of it) followed by
+               the row's `tests` column exits cleanly in a sandbox: a separate process with a
+               time limit, a memory limit, no network and its own PID namespace
     pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float]
 A user function that raises is retried sample by sample; a sample that still fails scores 0
-and is counted in the step's metrics (`reward/failures`). The wrong number of scores is a
-bug in the function, so that is a clear error instead.
+and is counted in the step's metrics (`reward/failures`); so does a call that runs past the
+time limit (all its samples score 0). The wrong number of scores is a bug in the function,
+so that is a clear error instead.
 """
+import functools
 import importlib
 import math
+import os
 import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -61,7 +72,58 @@ def format_ok(prompts, completions, finish_reason, **_):
     return [float(r == "stop" and extract_answer(c) is not None) for c, r in zip(completions, finish_reason)]
 
 
-BUILTIN = {"accuracy": accuracy, "format": format_ok}
+CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
+
+
+def _limits(memory_mb: int, cpu_s: int):
+    """Runs in the child between fork and exec: its own session, memory and CPU caps."""
+    def apply():
+        os.setsid()
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return apply
+
+
+def run_sandboxed(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> bool:
+    """True if `code` runs to a clean exit inside the limits. util-linux's unshare(1) gives it
+    a network namespace with nothing in it and a PID namespace of its own (it is PID 1 there
+    and cannot see, signal or ptrace the trainer); rlimits cap memory and CPU; a wall-clock
+    limit kills it. Whatever the code does, this process only sees a failed or killed child."""
+    sandbox = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
+    if os.getuid() != 0:  # unprivileged: a user namespace grants the right to make the others
+        sandbox[1:1] = ["--user", "--map-root-user"]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "main.py"), "w") as f:
+            f.write(code)
+        p = subprocess.Popen([*sandbox, sys.executable, "-I", "main.py"], cwd=tmp, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
+                             preexec_fn=_limits(memory_mb, int(timeout_s) + 1))
+        try:
+            return p.wait(timeout=timeout_s) == 0
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # the child's whole session: its own children too
+            p.wait()
+            return False
+
+
+def check_sandbox():
+    """Fails early, with the reason, where the sandbox cannot be built (no unshare(1), or no
+    user namespaces for an unprivileged user)."""
+    if not run_sandboxed("pass", timeout_s=30):
+        raise RuntimeError("the code reward's sandbox does not start here: it needs util-linux's `unshare` and "
+                           "root or unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)")
+
+
+def code_passes(prompts, completions, tests, timeout_s=5.0, memory_mb=512, **_):
+    out = []
+    for c, t in zip(completions, tests):
+        blocks = CODE_BLOCK.findall(c)
+        out.append(float(run_sandboxed((blocks[-1] if blocks else c) + "\n" + (t or ""), timeout_s, memory_mb)))
+    return out
+
+
+BUILTIN = {"accuracy": accuracy, "format": format_ok, "code": code_passes}
 
 
 def resolve(name: str):
@@ -77,11 +139,17 @@ def resolve(name: str):
 
 
 class Reward:
-    def __init__(self, names, weights=None):
+    def __init__(self, names, weights=None, timeout_s: float = 60.0, code_timeout_s: float = 5.0,
+                 code_memory_mb: int = 512):
         weights = list(weights) if weights else [1.0] * len(names)
         if len(weights) != len(names):
             raise ValueError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
         self.terms = [(n, resolve(n), w) for n, w in zip(names, weights)]
+        self.timeout_s = timeout_s
+        if "code" in names:
+            check_sandbox()
+            self.terms = [(n, functools.partial(fn, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
+                           if n == "code" else fn, w) for n, fn, w in self.terms]
 
     def score(self, prompts: list, completions: list[str], columns: dict[str, list]):
         """One score per completion; columns hold per-completion lists (answer, finish_reason,
@@ -89,28 +157,46 @@ class Reward:
         total = torch.zeros(len(completions))
         parts, failures = {}, 0
         for name, fn, w in self.terms:
-            scores, failed = _call(name, fn, prompts, completions, columns)
+            # the code term has its own per-sample limits, in the sandbox
+            scores, failed = _call(name, fn, prompts, completions, columns, None if name == "code" else self.timeout_s)
             parts[name] = torch.tensor(scores)
             total += w * parts[name]
             failures += failed
         return total, parts, failures
 
 
-def _call(name, fn, prompts, completions, columns):
+class RewardTimeout(BaseException):  # not an Exception: a user function's `except Exception` can't swallow it
+    pass
+
+
+def _alarm(*_):
+    raise RewardTimeout()
+
+
+def _call(name, fn, prompts, completions, columns, timeout_s):
+    if timeout_s:  # a Python function can't be killed, but it can be interrupted
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        out = fn(prompts, completions, **columns)
-    except Exception:  # isolate the failing samples: one bad sample must not zero the batch
-        out, failed = [], 0
-        for i in range(len(completions)):
-            try:
-                [v] = fn(prompts[i:i + 1], completions[i:i + 1], **{k: c[i:i + 1] for k, c in columns.items()})
-                if not math.isfinite(float(v)):
-                    raise ValueError("non-finite score")
-                out.append(float(v))
-            except Exception:
-                out.append(0.0)
-                failed += 1
-        return out, failed
+        try:
+            out = fn(prompts, completions, **columns)
+        except Exception:  # isolate the failing samples: one bad sample must not zero the batch
+            out, failed = [], 0
+            for i in range(len(completions)):
+                try:
+                    [v] = fn(prompts[i:i + 1], completions[i:i + 1], **{k: c[i:i + 1] for k, c in columns.items()})
+                    if not math.isfinite(float(v)):
+                        raise ValueError("non-finite score")
+                    out.append(float(v))
+                except Exception:
+                    out.append(0.0)
+                    failed += 1
+            return out, failed
+    except RewardTimeout:
+        return [0.0] * len(completions), len(completions)
+    finally:
+        if timeout_s:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     if len(out) != len(completions):
         raise ValueError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} completions; "
                          "it must return one float per completion")

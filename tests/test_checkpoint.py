@@ -11,6 +11,7 @@ from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
 from utils import checkpoint
+from utils.tiny import random_checkpoint
 
 FLAGS = [f for f in TINY if f not in ("--steps", "3")] + ["--steps", "10", "--save-every", "2"]
 strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]  # noqa: E731
@@ -42,7 +43,12 @@ def workers(pid):
 def test_kill_9_a_rank_then_resume_is_exact(tmp_path):
     """2N steps straight == N steps, kill -9 of one rank, `--resume auto` in a new torchrun."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    torchrun(2, "train_grpo.py", *FLAGS, "--run-dir", straight)
+    torchrun(2, "train_grpo.py", *FLAGS, "--save-hf-every", "5", "--run-dir", straight)
+    import transformers  # the periodic HF export loads in transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(straight, "hf", "step_10"))
+    final = load_file(os.path.join(straight, "final", "model.safetensors"))
+    assert torch.equal(hf.model.embed_tokens.weight.detach(), final["model.embed_tokens.weight"])
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
            *FLAGS, "--run-dir", killed]
@@ -86,3 +92,13 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     assert path is not None, open(tmp_path / "run.log").read()[-3000:]
     steps_done = int(os.path.basename(path).split("_")[1])
     assert steps_done == len([r for r in metrics(run) if not r.get("final")]) >= 3  # saved at the step it stopped
+
+    # resuming that checkpoint with a model of another shape is a clear error, not a crash in DCP
+    other = str(tmp_path / "other")
+    random_checkpoint(other, num_hidden_layers=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           *FLAGS, "--model", other, "--run-dir", run]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "is from a different model shape" in p.stderr and "num_hidden_layers" in p.stderr

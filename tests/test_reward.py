@@ -42,3 +42,55 @@ def test_bad_reward_names():
         Reward(["tests.helpers.rewards:missing"])
     with pytest.raises(ValueError, match="reward-weights"):
         Reward(["accuracy"], [1.0, 2.0])
+
+
+def test_reward_past_the_time_limit_scores_zero_and_is_counted():
+    import time
+
+    for fn in ("slow", "swallows_everything"):
+        r = Reward([f"tests.helpers.rewards:{fn}"], timeout_s=0.5)
+        t = time.time()
+        total, _, failures = r.score(["p"] * 3, ["a", "b", "c"], {})
+        assert time.time() - t < 5 and failures == 3 and total.tolist() == [0, 0, 0]
+
+
+SAFE = "```python\ndef add(a, b):\n    return a + b\n```"
+HOSTILE = {
+    "loops forever": "while True:\n    pass",
+    "allocates without bound": "x = []\nwhile True:\n    x.append(bytearray(10**7))",
+    "opens a socket": "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')",
+    "forks and hangs": "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)",
+    "kills its parent": "import os\nos.kill(os.getppid(), 9)",
+}
+
+
+def test_code_reward_runs_tests_in_a_sandbox():
+    import time
+
+    r = Reward(["code"], code_timeout_s=2, code_memory_mb=256)
+    tests = "assert add(2, 3) == 5"
+    total, _, failures = r.score(["p"] * 2, [SAFE, SAFE.replace("a + b", "a - b")], {"tests": [tests, tests]})
+    assert total.tolist() == [1.0, 0.0] and failures == 0
+    for what, code in HOSTILE.items():
+        t = time.time()
+        total, _, _ = r.score(["p"], [f"```python\n{code}\n```"], {"tests": [""]})
+        assert total.tolist() == [0.0], what  # and this process is still here to check it
+        assert time.time() - t < 10, what
+
+
+def test_code_reward_sandbox_has_no_network():
+    """A server listens on this machine's loopback; the same code reaches it from a plain
+    subprocess but not from the sandbox (whose loopback is a namespace of its own)."""
+    import socket
+    import subprocess
+    import sys
+
+    from roles.reward import run_sandboxed
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    code = f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)\n"
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0  # reachable without the sandbox
+    assert not run_sandboxed(code, timeout_s=5)
+    server.close()

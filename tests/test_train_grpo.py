@@ -50,3 +50,19 @@ def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert "use a multiple such as [2, 4, 6]" in p.stderr
+
+
+def test_nan_gradients_are_skipped_counted_then_stop_the_run(tmp_path):
+    """--lr 1e30 blows the weights up to inf in the first step; the next steps' gradients are NaN:
+    they are skipped and counted, and past --max-skipped-steps the run stops with a message."""
+    import subprocess
+    import sys
+
+    run = str(tmp_path / "nan")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           *TINY, "--steps", "6", "--lr", "1e30", "--max-skipped-steps", "2", "--run-dir", run]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "3 steps had NaN/inf gradients (--max-skipped-steps 2)" in p.stdout + p.stderr
+    rows = metrics(run)
+    assert [r["train/skipped_steps"] for r in rows] == [0, 1, 2, 3]

@@ -14,3 +14,19 @@ def wrong_length(prompts, completions, **columns):
 
 def length_bonus(prompts, completions, answer, **columns):
     return [len(c) / 10 for c in completions]
+
+
+def slow(prompts, completions, **columns):
+    import time
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
+def swallows_everything(prompts, completions, **columns):
+    """A function that catches Exception around a long wait: the time limit still stops it."""
+    import time
+    try:
+        time.sleep(30)
+    except Exception:
+        pass
+    return [1.0] * len(completions)
