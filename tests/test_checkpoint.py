@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_fsdp import ROOT, torchrun
@@ -40,10 +41,37 @@ def workers(pid):
     return out
 
 
-def test_kill_9_a_rank_then_resume_is_exact(tmp_path):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: 10 steps without interruption."""
+    path = str(tmp_path_factory.mktemp("straight"))
+    torchrun(2, "train_grpo.py", *FLAGS, "--save-hf-every", "5", "--run-dir", path)
+    return path
+
+
+def same_run(a, b):
+    assert [r["step"] for r in metrics(b)] == [r["step"] for r in metrics(a)]  # every step once, none lost or doubled
+    assert strip(metrics(a)) == strip(metrics(b))
+    wa = load_file(os.path.join(a, "final", "model.safetensors"))
+    wb = load_file(os.path.join(b, "final", "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def start_and_kill_rank_1(cmd, run, log_path):
+    """Starts torchrun, waits for the first complete checkpoint, kill -9s local rank 1."""
+    log = open(log_path, "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while checkpoint.find(run)[0] is None:
+        assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.05)
+    os.kill(workers(p.pid)[1], signal.SIGKILL)
+    return p
+
+
+def test_kill_9_a_rank_then_resume_is_exact(tmp_path, straight):
     """2N steps straight == N steps, kill -9 of one rank, `--resume auto` in a new torchrun."""
-    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    torchrun(2, "train_grpo.py", *FLAGS, "--save-hf-every", "5", "--run-dir", straight)
+    killed = str(tmp_path / "killed")
     import transformers  # the periodic HF export loads in transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(straight, "hf", "step_10"))
@@ -52,27 +80,28 @@ def test_kill_9_a_rank_then_resume_is_exact(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
            *FLAGS, "--run-dir", killed]
-    log = open(tmp_path / "killed.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 240
-    while checkpoint.find(killed)[0] is None:  # wait for the first complete checkpoint
-        assert p.poll() is None and time.time() < deadline, open(tmp_path / "killed.log").read()[-3000:]
-        time.sleep(0.05)
-    os.kill(workers(p.pid)[1], signal.SIGKILL)
+    p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
     assert p.wait(timeout=120) != 0  # the job fails (the peer's collectives error out), it does not hang
     done_before = len(metrics(killed))
     assert done_before < len(metrics(straight))  # it was stopped part-way
 
     out = torchrun(2, "train_grpo.py", *FLAGS, "--run-dir", killed).stdout
     assert "resumed from" in out
-    a, b = metrics(straight), metrics(killed)
-    assert [r["step"] for r in b] == [r["step"] for r in a]  # every step once, none lost or doubled
-    assert strip(a) == strip(b)
-    wa = load_file(os.path.join(straight, "final", "model.safetensors"))
-    wb = load_file(os.path.join(killed, "final", "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    same_run(straight, killed)
     kept = [k for k in sorted(os.listdir(os.path.join(killed, "checkpoints"))) if not k.endswith(".tmp")]
     assert kept == ["step_00000008", "step_00000010"]  # --keep-last 2
+
+
+def test_elastic_restart_after_kill_9_resumes_by_itself(tmp_path, straight):
+    """torchrun --max-restarts 1: the killed rank brings the job back; the new workers find
+    the newest complete checkpoint themselves, and the run ends as if nothing happened."""
+    run = str(tmp_path / "elastic")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "train_grpo.py", *FLAGS, "--run-dir", run]
+    p = start_and_kill_rank_1(cmd, run, tmp_path / "elastic.log")
+    assert p.wait(timeout=240) == 0, open(tmp_path / "elastic.log").read()[-3000:]
+    assert "resumed from" in open(tmp_path / "elastic.log").read()
+    same_run(straight, run)
 
 
 def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):

@@ -24,8 +24,14 @@ def init(timeout_s: float = 300) -> tuple[int, int, torch.device]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # our own key prefix per torchrun restart: after a rank dies and torchrun restarts the
+        # workers, no key of the failed attempt (e.g. a dead rank's address) can be read back
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent, timeout=timeout)
+        store = dist.PrefixStore(f"rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return rank, world, device
 
 
