@@ -286,7 +286,10 @@ if __name__ == "__main__":
             export_hf(actor, os.path.join(args.run_dir, "hf", f"step_{step + 1}"), rank, args.model)
         if peak["sigterm"] or (args.save_every and (step + 1) % args.save_every == 0):
             saved = checkpoint.save(args.run_dir, step + 1, actor, args.keep_last, rank)
-            if rank == 0:
+            if rank == 0 and saved["error"]:
+                print(f"checkpoint after step {step + 1} FAILED ({saved['error']}); the previous one "
+                      f"({checkpoint.find(args.run_dir)[0]}) is intact; training goes on", flush=True)
+            elif rank == 0:
                 print(f"saved {saved['path']} in {saved['seconds']:.2f}s", flush=True)
             if peak["sigterm"]:
                 break

@@ -131,3 +131,24 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert "is from a different model shape" in p.stderr and "num_hidden_layers" in p.stderr
+
+
+def test_full_disk_on_save_keeps_the_previous_checkpoint(tmp_path):
+    """A 24 MiB tmpfs holds two checkpoints (11 MiB each) but not a third: that save fails,
+    is reported, the previous checkpoint stays complete, and training goes on to the end."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        run = str(disk / "run")
+        out = torchrun(2, "train_grpo.py", *FLAGS, "--steps", "8", "--no-save-final", "--run-dir", run).stdout
+        assert "checkpoint after step 6 FAILED" in out and "step_00000004) is intact; training goes on" in out
+        assert [r["step"] for r in metrics(run)] == list(range(8)) + [7]
+        path, partial = checkpoint.find(run)
+        assert path.endswith("step_00000004") and partial == []  # the failed one was cleaned up
+        out = torchrun(2, "train_grpo.py", *FLAGS, "--steps", "8", "--no-save-final", "--save-every", "0",
+                       "--run-dir", run).stdout
+        assert "resumed from" in out and "step_00000004" in out  # and it is usable
+    finally:
+        subprocess.run(["umount", str(disk)])

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 PREFIX = "step_"
@@ -50,10 +51,20 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
         os.makedirs(tmp)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump({"torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}, f)
-    dist.barrier()
+    error = ""
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+            json.dump({"torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}, f)
+    except (OSError, CheckpointException) as e:  # a full disk, a quota: lose this save, not the run
+        error = str(e).strip().splitlines()[-1][:300]
+    failed = torch.tensor([float(bool(error))])
+    dist.all_reduce(failed)  # every rank must agree, or the next collective would split them
+    if failed.item():
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"seconds": time.perf_counter() - t, "path": None, "error": error or "failed on another rank"}
     if rank == 0:
         meta = {"step": step, "scheduler": actor.sched.state_dict(), "model": actor.config.to_hf(),
                 "world": dist.get_world_size(), **(extra or {})}
@@ -66,7 +77,7 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
         for old in done[:-keep] if keep > 0 else []:
             shutil.rmtree(os.path.join(_dir(run_dir), old), ignore_errors=True)
     dist.barrier()
-    return {"seconds": time.perf_counter() - t, "path": final}
+    return {"seconds": time.perf_counter() - t, "path": final, "error": None}
 
 
 def load(path: str, actor, rank: int) -> dict:
