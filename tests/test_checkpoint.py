@@ -152,3 +152,21 @@ def test_full_disk_on_save_keeps_the_previous_checkpoint(tmp_path):
         assert "resumed from" in out and "step_00000004" in out  # and it is usable
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_a_tampered_checkpoint_index_is_refused_not_executed(tmp_path):
+    """DCP's .metadata is a pickle: ours is read by an unpickler that admits DCP's classes only."""
+    import pickle
+
+    from utils.checkpoint import SafeReader
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
+        SafeReader(str(tmp_path)).read_metadata()
+    assert not marker.exists()  # (the resume tests read real checkpoints through the same reader)

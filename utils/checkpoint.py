@@ -4,12 +4,16 @@ A checkpoint is a directory `run_dir/checkpoints/step_00000012/` (12 steps done)
 the model and optimizer (each rank writes its own), `rank{r}.json` with that rank's RNG
 state, and `meta.json` (step, LR schedule, model shape) written last by rank 0. It is
 written as `step_00000012.tmp/` and renamed only when complete, so a job killed while
-saving leaves the previous checkpoint as the newest complete one. Nothing is pickled:
-tensors go through DCP, the rest is JSON.
+saving leaves the previous checkpoint as the newest complete one. Tensors go through DCP,
+the rest is JSON. DCP keeps its index (`.metadata`) as a pickle; we read it with an
+unpickler that admits only DCP's own metadata classes, so a tampered checkpoint cannot
+run code (DCP's non-tensor entries already load with torch.load(weights_only=True)).
 """
 import base64
+import io
 import json
 import os
+import pickle
 import shutil
 import time
 
@@ -17,9 +21,36 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 PREFIX = "step_"
+SAFE_GLOBALS = {  # everything DCP's .metadata pickle refers to, and nothing else
+    ("torch.distributed.checkpoint.metadata", None), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(__import__("torch"), name, None), torch.dtype)
+        if dtype or (module, name) in SAFE_GLOBALS or (module, None) in SAFE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP index never "
+                                     "holds: refusing to load it (was the checkpoint tampered with?)")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata pickle read by the restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _dir(run_dir: str) -> str:
@@ -93,7 +124,7 @@ def load(path: str, actor, rank: int) -> dict:
                          "resume with the --model it was trained from, or start a new --run-dir")
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=SafeReader(path))
     set_state_dict(actor.model, actor.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     actor.sched.load_state_dict(meta["scheduler"])
     rank_file = os.path.join(path, f"rank{rank}.json")
