@@ -112,8 +112,9 @@ class Args:
     """save the sharded training state (DCP) every this many steps, and on SIGTERM (0: SIGTERM only)"""
     keep_last: int = 2
     """complete checkpoints to keep"""
-    resume: str = "auto"
-    """auto: the newest complete checkpoint in run_dir, if any (what a torchrun restart needs); none; or a path"""
+    resume: str = "restart"
+    """restart: continue from run_dir's newest complete checkpoint when torchrun restarted the job
+    (--max-restarts), else start afresh; auto: continue from it whenever there is one; none; or a path"""
     save_hf_every: int = 0
     """also export a HF checkpoint (run_dir/hf/step_N) every this many steps (0: off)"""
     track: bool = False
@@ -177,9 +178,14 @@ if __name__ == "__main__":
 
     # resume: the sharded state of the newest complete checkpoint (a partial one is skipped)
     start = 0
-    path, partial = checkpoint.find(args.run_dir) if args.resume == "auto" else (None, [])
-    if args.resume not in ("auto", "none"):
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path, partial = checkpoint.find(args.run_dir) if args.resume == "auto" or args.resume == "restart" and restarted \
+        else (None, [])
+    if args.resume not in ("auto", "restart", "none"):
         path = args.resume
+    elif not path and rank == 0 and checkpoint.find(args.run_dir)[0]:
+        print(f"{args.run_dir} holds checkpoints of an earlier run: starting afresh (--resume auto continues it)",
+              flush=True)
     if partial and rank == 0:
         print(f"ignoring incomplete checkpoint(s): {partial}", flush=True)
     if path:

@@ -85,7 +85,7 @@ def test_kill_9_a_rank_then_resume_is_exact(tmp_path, straight):
     done_before = len(metrics(killed))
     assert done_before < len(metrics(straight))  # it was stopped part-way
 
-    out = torchrun(2, "train_grpo.py", *FLAGS, "--run-dir", killed).stdout
+    out = torchrun(2, "train_grpo.py", *FLAGS, "--resume", "auto", "--run-dir", killed).stdout
     assert "resumed from" in out
     same_run(straight, killed)
     kept = [k for k in sorted(os.listdir(os.path.join(killed, "checkpoints"))) if not k.endswith(".tmp")]
@@ -126,7 +126,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     other = str(tmp_path / "other")
     random_checkpoint(other, num_hidden_layers=2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           *FLAGS, "--model", other, "--run-dir", run]
+           *FLAGS, "--model", other, "--resume", "auto", "--run-dir", run]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
@@ -148,7 +148,7 @@ def test_full_disk_on_save_keeps_the_previous_checkpoint(tmp_path):
         path, partial = checkpoint.find(run)
         assert path.endswith("step_00000004") and partial == []  # the failed one was cleaned up
         out = torchrun(2, "train_grpo.py", *FLAGS, "--steps", "8", "--no-save-final", "--save-every", "0",
-                       "--run-dir", run).stdout
+                       "--resume", "auto", "--run-dir", run).stdout
         assert "resumed from" in out and "step_00000004" in out  # and it is usable
     finally:
         subprocess.run(["umount", str(disk)])
