@@ -41,6 +41,8 @@ class Logger:
         elapsed = time.time() - self.start
         eta = elapsed / max(1, done - self.first) * (self.total - done) if done < self.total else 0
         g = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"  # noqa: E731
+        if m.get("final"):
+            return f"final policy | eval {g('eval/accuracy')} | {elapsed:.0f}s in all"
         return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/accuracy')} "
                 f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} | len {g('rollout/response_len', '{:.1f}')} "
                 f"| gen {g('perf/generate_s', '{:.2f}')}s ref {g('perf/reference_s', '{:.2f}')}s "
