@@ -106,7 +106,7 @@ class FusedDecoder:
         H, KV, D, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         freqs = positions[..., None].float() * self.inv_freq  # [B, S, D/2]
         emb = torch.cat((freqs, freqs), -1)[:, :, None]  # [B, S, 1, D]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)
         bias = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         h = F.embedding(tokens, self.embed)  # [B, S, h]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.layers):
