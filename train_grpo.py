@@ -8,6 +8,7 @@ advantages itself; no rank ever gathers the batch. Only FSDP2's collectives (wei
 all-gather, gradient reduce-scatter) and the metric reductions are global.
 """
 import os
+import resource
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -264,7 +265,9 @@ if __name__ == "__main__":
             **sums, **{f"reward/{k}": v.sum() for k, v in parts.items()}, "reward": rewards.sum(),
             "failures": failures, "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
             "all_same": (groups.max(-1).values == groups.min(-1).values).sum()})
-        peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync,
+        mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30  # GPU memory, else RSS
+        peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync, "mem_gib": mem,
                             "step_s": time.perf_counter() - t_step, "sigterm": stop["sigterm"]},
                            op=torch.distributed.ReduceOp.MAX)
         skipped_steps += int(peak["skipped"])
@@ -281,7 +284,7 @@ if __name__ == "__main__":
                 "train/logprob_gap_mean": total["gap_sum"] / T, "train/logprob_gap_max": peak["gap_max"],
                 "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
                 "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
-                "perf/tokens_per_s": total["len"] / peak["step_s"],
+                "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
             })
             log.log(step, metrics)
         if skipped_steps > args.max_skipped_steps:
