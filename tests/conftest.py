@@ -34,3 +34,8 @@ def tiny_hf(tmp_path_factory):
     """(path, transformers model) of a small random Qwen2 checkpoint."""
     path = str(tmp_path_factory.mktemp("tiny-qwen2"))
     return path, hf_checkpoint(path)
+
+# Tests that launch torchrun carry `pytest.mark.flaky(reruns=1)` (pytest-rerunfailures): in ~12
+# full runs of this suite two such tests failed once each (an elastic restart, and a 2-rank
+# FSDP step) and passed on every rerun; the cause was not found. A rerun shows as "R" in the
+# output, so a flake stays visible, and a real bug still fails both tries.
