@@ -243,21 +243,18 @@ if __name__ == "__main__":
 
         # update: each minibatch's loss is normalised by its token (or sequence) count over all ranks
         minis = list(micro_batches(batch, -(-len(rewards) // args.minibatches)))
-        counts = dist.reduce({f"{k}{i}": (m["mask"].sum() if k == "tokens" else len(m["adv"]))
-                              for i, m in enumerate(minis) for k in ("tokens", "seqs")})
+        counts = dist.reduce({"tokens": batch["mask"].sum(), "seqs": len(rewards), **{
+            f"norm{i}": m["mask"].sum() if args.loss_agg == "token" else len(m["adv"]) for i, m in enumerate(minis)}})
         t = time.perf_counter()
         sums, maxes = {}, {}
         for i, mini in enumerate(minis):
             s, m = actor.train_step(
                 mini, temperature=args.temperature, clip_low=args.clip_low, clip_high=args.clip_high,
                 kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                norm=counts[f"{'tokens' if args.loss_agg == 'token' else 'seqs'}{i}"] / world,
-                micro_batch_size=args.micro_batch_size)
+                norm=counts[f"norm{i}"] / world, micro_batch_size=args.micro_batch_size)
             sums = {k: sums.get(k, 0) + v for k, v in s.items()}
             maxes = {k: torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v)) for k, v in m.items()}
         train_s = time.perf_counter() - t
-        counts = {"seqs": sum(v for k, v in counts.items() if k.startswith("seqs")),
-                  "tokens": sum(v for k, v in counts.items() if k.startswith("tokens"))}
 
         # metrics: one sum-reduce and one max-reduce over ranks; rank 0 prints and writes them
         groups = rewards.view(per_rank, n)
