@@ -1,11 +1,15 @@
 """GRPO with FSDP2 and parallel controllers.
 
     torchrun --standalone --nproc-per-node 2 train_grpo.py          # the built-in task, offline
+    torchrun --standalone --nproc-per-node 3 train_grpo.py --placement disaggregate --rollout-ranks 1 \
+        --max-staleness 1                                # 2 trainers + 1 rollout rank, overlapped
 
 Every rank runs this same script and is the controller of its own share of each step's
 prompts (G-Core's parallel controllers): it generates, scores and computes its groups'
 advantages itself; no rank ever gathers the batch. Only FSDP2's collectives (weight
-all-gather, gradient reduce-scatter) and the metric reductions are global.
+all-gather, gradient reduce-scatter), the weight sync and the metric reductions are
+collective. With --placement disaggregate the rollout ranks run `roles.rollout.serve`
+instead, and each trainer talks to its own rollout rank point to point.
 """
 import os
 import resource
@@ -21,12 +25,12 @@ import placement
 from roles.actor import Actor
 from roles.reference import Reference
 from roles.reward import Reward
-from roles.rollout import SamplingParams, make_engine
+from roles.rollout import RemoteEngine, SamplingParams, make_engine, serve
 from utils import algos, checkpoint, dist
 from utils.data import (BUILTIN, Tokenizer, load_rows, make_batch, micro_batches, prompt_seed, rank_slice,
                         step_indices, tokenize_rows)
 from utils.logger import Logger
-from utils.model import save_model
+from utils.model import read_config, save_model
 
 
 @dataclass
@@ -48,7 +52,7 @@ class Args:
     steps: int = 250
     """optimizer steps (one rollout batch each)"""
     prompts_per_step: int = 64
-    """prompts per step over all ranks (each rank takes prompts_per_step / world)"""
+    """prompts per step over all trainer ranks (each takes prompts_per_step / trainers)"""
     num_generations: int = 8
     """completions per prompt: the group of GRPO's group-relative advantage"""
     max_new_tokens: int = 8
@@ -101,8 +105,16 @@ class Args:
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
     """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
-    placement: Literal["colocate"] = "colocate"
-    """colocate: every rank trains and generates, taking turns"""
+    placement: Literal["colocate", "disaggregate"] = "colocate"
+    """colocate: every rank trains and generates, taking turns; disaggregate: --rollout-ranks ranks
+    only generate while the others only train"""
+    rollout_ranks: int = 0
+    """disaggregate: the last K ranks generate (each serves (world - K) / K trainers)"""
+    max_staleness: int = 0
+    """disaggregate: generate up to this many steps ahead while training, so samples are up to this
+    many policy versions old (0: on-policy, the same run as colocate)"""
+    sync_bucket_mb: float = 64.0
+    """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
     seed: int = 0
     """seeds init, data order and sampling (per prompt: results do not depend on the ranks)"""
     run_dir: str = "runs/grpo"
@@ -133,27 +145,41 @@ def export_hf(actor, path, rank, tokenizer_dir):
         save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
 
 
-def generate(engine, rows, params, seeds):
-    prompts = [r["ids"] for r in rows]
-    return prompts, engine.generate(prompts, params, seeds)
+def step_prompts(rows, step, args, rank, dp):
+    """This rank's rows of `step` and their sampling seeds: per (seed, step, position in the
+    step's batch), never per rank, so that the samples do not depend on the placement."""
+    batch_idx = step_indices(len(rows), step, args.prompts_per_step, args.seed)
+    mine = rank_slice(list(enumerate(batch_idx)), rank, dp)
+    return [rows[i] for _, i in mine], [prompt_seed(args.seed, step, pos) for pos, _ in mine]
 
 
-def evaluate(engine, scorer, rows, args, rank, world):
+def evaluate(engine, scorer, rows, args, rank, dp, group):
     """Held-out accuracy: one sample per prompt at the training temperature, seeded per prompt."""
-    mine = rows[rank::world]
+    mine = rows[rank::dp]
     params = SamplingParams(1, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
-    _, out = generate(engine, mine, params, [prompt_seed(args.seed, -1, rank + i * world) for i in range(len(mine))])
+    out = engine.generate([r["ids"] for r in mine], params, [prompt_seed(args.seed, -1, rank + i * dp)
+                                                             for i in range(len(mine))])
     correct = scorer.score([r["prompt"] for r in mine], out.texts, {
         "answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons})[0]
-    return dist.reduce({"correct": correct.sum(), "count": len(mine)})
+    return dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=group)
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     rank, world, device = dist.init(args.timeout_s)
-    plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step)
+    plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
+                          args.max_staleness, args.timeout_s)
     torch.manual_seed(args.seed)
     param_dtype = getattr(torch, args.param_dtype)
+    max_len = args.max_prompt_tokens + args.max_new_tokens
+    if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
+        engine = make_engine(args.engine, args.model, read_config(args.model), Tokenizer(args.model), device,
+                             param_dtype, max_len, args.seed)
+        serve(engine, plan.trainers, plan.sync_group, device)
+        engine.close()
+        dist.close()
+        raise SystemExit(0)
+    dp, group = plan.dp, plan.group  # the trainer ranks (all ranks in colocate)
 
     # data: every rank tokenises the same rows and later takes its own slice of each step
     tok = Tokenizer(args.model)
@@ -173,8 +199,11 @@ if __name__ == "__main__":
     ref = Reference(args.model, plan.mesh, device, param_dtype) if args.kl_coef > 0 else None
     reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s, args.code_memory_mb)
     reward_eval = Reward(["accuracy"])
-    engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype,
-                         args.max_prompt_tokens + args.max_new_tokens, args.seed)
+    if args.placement == "disaggregate":  # this rank's rollout rank, behind the engine interface
+        engine = RemoteEngine(plan.peer, actor.weight_specs(), int(args.sync_bucket_mb * 2**20), plan.sync_group,
+                              rank == 0, device)
+    else:
+        engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype, max_len, args.seed)
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
 
     # resume: the sharded state of the newest complete checkpoint (a partial one is skipped)
@@ -197,35 +226,45 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
     log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start) if rank == 0 else None
     if rank == 0:
-        print(f"{world} rank(s), {args.placement}, {type(engine).__name__}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
+        print(f"{world} rank(s), {args.placement} ({dp} trainer(s)), {type(engine).__name__}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
               f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
               flush=True)
 
-    per_rank = args.prompts_per_step // world
+    per_rank = args.prompts_per_step // dp
     skipped_steps = 0
+    in_flight, submitted = {}, start  # step -> (this rank's rows, request): rollouts sent ahead of training
     for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
         t_step = time.perf_counter()
         metrics = {}
-        # weight sync: gather the actor's shards into this rank's engine
-        sync = placement.sync(actor, engine)
+        # weight sync: the policy after `step` updates goes to this rank's engine (colocate) or is
+        # broadcast in buckets to the rollout ranks (disaggregate)
+        sync = placement.sync(actor, engine, version=step)
+        t = time.perf_counter()
         if args.eval_every and eval_rows and (step % args.eval_every == 0 or step == args.steps):
-            e = evaluate(engine, reward_eval, eval_rows, args, rank, world)
+            e = evaluate(engine, reward_eval, eval_rows, args, rank, dp, group)
             metrics["eval/accuracy"] = e["correct"] / e["count"]
+        eval_s = time.perf_counter() - t
         if step == args.steps:
             placement.release(engine)
             if rank == 0:
                 log.log(step - 1, {"final": True, **metrics})
             break
 
-        # rollout: this rank's prompts only, seeded per (seed, step, prompt) so placement does not matter
-        batch_idx = step_indices(len(rows), step, args.prompts_per_step, args.seed)
-        mine = rank_slice(list(enumerate(batch_idx)), rank, world)
-        local = [rows[i] for _, i in mine]
+        # rollout: this rank's prompts only. With --max-staleness S the prompts of up to S steps ahead
+        # go out too, so that the rollout ranks generate them while this rank trains; their samples are
+        # then up to S versions old, and the ratio to the engine's log-probs corrects for it
         t = time.perf_counter()
-        prompts, out = generate(engine, local, sampling, [prompt_seed(args.seed, step, pos) for pos, _ in mine])
-        gen_s = time.perf_counter() - t
+        while submitted <= min(step + args.max_staleness, args.steps - 1):
+            ahead, seeds = step_prompts(rows, submitted, args, rank, dp)
+            in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
+            submitted += 1
+        local, request = in_flight.pop(step)
+        out = engine.result(request)
+        gen_s = time.perf_counter() - t  # colocate: generating; disaggregate: waiting for the samples
         placement.release(engine)
+        prompts = [r["ids"] for r in local]
 
+        t_busy = time.perf_counter()
         # reward and group advantages, all local to this controller
         n = args.num_generations
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 (per prompt -> per sample)
@@ -243,7 +282,7 @@ if __name__ == "__main__":
 
         # update: each minibatch's loss is normalised by its token (or sequence) count over all ranks
         minis = list(micro_batches(batch, -(-len(rewards) // args.minibatches)))
-        counts = dist.reduce({"tokens": batch["mask"].sum(), "seqs": len(rewards), **{
+        counts = dist.reduce(group=group, values={"tokens": batch["mask"].sum(), "seqs": len(rewards), **{
             f"norm{i}": m["mask"].sum() if args.loss_agg == "token" else len(m["adv"]) for i, m in enumerate(minis)}})
         t = time.perf_counter()
         sums, maxes = {}, {}
@@ -251,22 +290,38 @@ if __name__ == "__main__":
             s, m = actor.train_step(
                 mini, temperature=args.temperature, clip_low=args.clip_low, clip_high=args.clip_high,
                 kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                norm=counts[f"norm{i}"] / world, micro_batch_size=args.micro_batch_size)
+                norm=counts[f"norm{i}"] / dp, micro_batch_size=args.micro_batch_size)
             sums = {k: sums.get(k, 0) + v for k, v in s.items()}
             maxes = {k: torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v)) for k, v in m.items()}
         train_s = time.perf_counter() - t
+        busy_s = time.perf_counter() - t_busy  # the trainer role's own work: reward, reference, update
 
-        # metrics: one sum-reduce and one max-reduce over ranks; rank 0 prints and writes them
+        # where the time went, per role. The trainer role waits while samples are made (colocate: this
+        # rank makes them; disaggregate: its rollout rank does). `device_idle` is the seconds in which
+        # this rank's device (and, disaggregate, its share of its rollout rank's) had nothing to do
+        step_s = time.perf_counter() - t_step
+        if args.placement == "disaggregate":
+            roll = engine.take_stats()  # the rollout rank's seconds since the last step
+            roll_busy, roll_idle = roll["busy_s"] + roll["sync_s"], roll["idle_s"]
+            device_idle = gen_s + eval_s + roll_idle * plan.layout.rollout / dp
+        else:
+            roll_busy = gen_s + eval_s
+            roll_idle = step_s - roll_busy
+            device_idle = max(0.0, step_s - roll_busy - busy_s - sync["sync_s"])  # waits on other ranks only
+
+        # metrics: one sum-reduce and one max-reduce over the trainers; rank 0 prints and writes them
         groups = rewards.view(per_rank, n)
-        total = dist.reduce({
+        total = dist.reduce(group=group, values={
             **sums, **{f"reward/{k}": v.sum() for k, v in parts.items()}, "reward": rewards.sum(),
             "failures": failures, "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
-            "all_same": (groups.max(-1).values == groups.min(-1).values).sum()})
+            "all_same": (groups.max(-1).values == groups.min(-1).values).sum(), "staleness": step - out.version,
+            "trainer_busy": busy_s, "trainer_idle": gen_s + eval_s, "rollout_busy": roll_busy,
+            "rollout_idle": roll_idle, "device_idle": device_idle})
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30  # GPU memory, else RSS
         peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync, "mem_gib": mem,
-                            "step_s": time.perf_counter() - t_step, "sigterm": stop["sigterm"]},
-                           op=torch.distributed.ReduceOp.MAX)
+                            "step_s": step_s, "staleness": step - out.version, "sigterm": stop["sigterm"]},
+                           op=torch.distributed.ReduceOp.MAX, group=group)
         skipped_steps += int(peak["skipped"])
         if rank == 0:
             N, T = counts["seqs"], counts["tokens"]
@@ -282,6 +337,12 @@ if __name__ == "__main__":
                 "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
                 "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
                 "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
+                "perf/sync_gather_s": peak["sync_gather_s"],
+                # per role, mean over trainer ranks (rollout: over the rollout ranks serving them)
+                **{f"placement/{k}_s": total[k] / dp for k in ("trainer_busy", "trainer_idle", "rollout_busy",
+                                                               "rollout_idle")},
+                "placement/idle_share": total["device_idle"] / (world * peak["step_s"]),
+                "placement/staleness_max": peak["staleness"], "placement/staleness_mean": total["staleness"] / dp,
             })
             log.log(step, metrics)
         if skipped_steps > args.max_skipped_steps:

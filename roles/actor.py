@@ -3,7 +3,7 @@ import torch
 
 from utils import algos
 from utils.data import micro_batches
-from utils.dist import full_tensors, load_sharded
+from utils.dist import full_tensors, load_sharded, weight_specs
 from utils.model import completion_logprobs
 
 
@@ -11,6 +11,7 @@ class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32):
         self.model = load_sharded(path, mesh, device, param_dtype)
+        self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
         self.config = self.model.config
         self.max_grad_norm = max_grad_norm
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -20,6 +21,10 @@ class Actor:
     def full_weights(self):
         """(hf_name, full tensor) for the engine, one all-gathered tensor at a time."""
         return full_tensors(self.model)
+
+    def weight_specs(self):
+        """(hf_name, full shape, dtype) in `full_weights` order: what a remote engine must expect."""
+        return weight_specs(self.model)
 
     def train_step(self, batch, *, temperature, clip_low, clip_high, kl_coef, kl_estimator, loss_agg, norm,
                    micro_batch_size):

@@ -3,6 +3,10 @@
     engine.load_weights(iter of (hf_name, tensor))   replace the weights in place
     engine.generate(prompt_ids, params, seeds)    -> Samples (n per prompt, prompt-major)
     engine.release()                                 free weights and cache (colocate)
+    engine.submit(...) -> ticket; engine.result(ticket)   generate, possibly in the background
+
+Local engines (native, vLLM) generate in this process; `RemoteEngine` is a trainer's handle
+on its rollout rank (disaggregate placement), whose `serve` loop runs a local engine.
 
 The native engine is a plain batched sampler over `utils.model` with a preallocated
 KV cache: the prompt is encoded once (per prompt, not per sample: its cache is copied
@@ -12,11 +16,15 @@ depends on its prompt's seed only, never on the batch it was put in or on the ra
 """
 import importlib.util
 import os
+import signal
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from utils import dist
 from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
 
 
@@ -42,6 +50,7 @@ class Samples:
     lengths: torch.Tensor  # [N] long
     finish_reasons: list  # "stop" (EOS or stop string) | "length"
     texts: list  # decoded completions (stop string cut off)
+    version: int = 0  # the policy version (optimizer steps) of the weights that generated them
 
 
 M32 = 0xFFFFFFFF
@@ -123,7 +132,19 @@ class FusedDecoder:
         return F.linear(self.norm(h[:, -1]), self.lm_head).float()  # [B, V]
 
 
-class NativeEngine:
+class Engine:
+    """What local engines share: `version` of the loaded weights (set by placement.sync), and
+    submit/result that simply generate now (only a remote engine runs in the background)."""
+    version = 0
+
+    def submit(self, prompts, params, seeds):
+        return self.generate(prompts, params, seeds)
+
+    def result(self, ticket) -> Samples:
+        return ticket
+
+
+class NativeEngine(Engine):
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
         self.model = self.decoder = None
@@ -193,7 +214,7 @@ class NativeEngine:
         if params.stop:
             texts = [_cut(t, params.stop) for t in texts]
         reasons = ["stop" if s else "length" for s in stopped.tolist()]
-        return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts)
+        return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts, self.version)
 
     def _hit_stop(self, so_far, skip, stop):
         """Rows (not in `skip`) whose decoded completion now contains a stop string."""
@@ -206,7 +227,7 @@ class NativeEngine:
         return hit
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """vLLM embedded in this process (no server), behind the native engine's interface.
 
     Weights are replaced in place through the worker's `reload_weights` (over
@@ -267,7 +288,7 @@ class VLLMEngine:
             logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
         lengths = torch.tensor([len(c.token_ids) for c in rows])
         reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
-        return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows])
+        return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows], self.version)
 
     def close(self):
         """Shut the engine down before the process group goes: vLLM built its groups on ours."""
@@ -289,6 +310,108 @@ def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, 
     if kind == "vllm":
         return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed)
     return NativeEngine(cfg, tokenizer, device, dtype)
+
+
+class RemoteEngine:
+    """A trainer's handle on its rollout rank (disaggregate), behind the engine interface.
+
+    Requests go out with non-blocking sends and the samples come back in request order, so
+    a trainer can submit step k+1 and train step k while the rollout rank generates.
+    `load_weights` tells the rollout rank a new version is coming; trainer 0 then broadcasts
+    the weights bucket by bucket (every trainer joins the FSDP gathers that produce them)."""
+
+    def __init__(self, peer: int, specs, bucket_bytes: int, sync_group, is_src: bool, device):
+        self.peer, self.specs, self.bucket_bytes, self.group, self.is_src = peer, specs, bucket_bytes, sync_group, is_src
+        self.buckets = dist.plan_buckets(specs, bucket_bytes)
+        self.device, self.version = device, 0
+        self.sent, self.waiting, self.done, self.next = [], deque(), {}, 0
+        self.stats, self.seen = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, {}
+
+    def _fail(self, e, doing):
+        return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung (see its "
+                            f"output above). The trainers stop here; the last checkpoint is intact. ({e})")
+
+    def load_weights(self, weights):
+        self.sent = dist.reap(self.sent) + dist.isend_obj(
+            {"op": "weights", "version": self.version, "specs": self.specs, "bucket_bytes": self.bucket_bytes},
+            self.peer)
+        try:
+            if self.is_src:
+                dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device)
+            else:
+                for _ in weights:  # the gathers are collectives over the trainers: join them
+                    pass
+        except RuntimeError as e:
+            raise self._fail(e, "receiving weights") from e
+
+    def submit(self, prompts, params, seeds) -> int:
+        self.sent = dist.reap(self.sent) + dist.isend_obj(
+            {"op": "generate", "prompts": prompts, "params": params, "seeds": seeds}, self.peer)
+        self.waiting.append(self.next)
+        self.next += 1
+        return self.next - 1
+
+    def result(self, ticket: int) -> Samples:
+        while ticket not in self.done:  # replies come in request order
+            try:
+                reply = dist.recv_obj(self.peer)
+            except RuntimeError as e:
+                raise self._fail(e, "generating") from e
+            self.done[self.waiting.popleft()] = reply["samples"]
+            self.stats = reply["stats"]
+        return self.done.pop(ticket)
+
+    def generate(self, prompts, params, seeds) -> Samples:
+        return self.result(self.submit(prompts, params, seeds))
+
+    def take_stats(self) -> dict:
+        """The rollout rank's seconds busy generating, loading weights and idle (waiting for
+        requests) since the last call."""
+        delta = {k: v - self.seen.get(k, 0.0) for k, v in self.stats.items()}
+        self.seen = dict(self.stats)
+        return delta
+
+    def release(self):
+        pass  # the rollout rank keeps its weights: nothing here to free
+
+    def close(self):
+        """Collect what is still in flight, then tell the rollout rank to stop."""
+        try:
+            for ticket in list(self.waiting):
+                self.result(ticket)
+            self.sent = dist.wait_all(self.sent + dist.isend_obj({"op": "stop"}, self.peer))
+        except RuntimeError:
+            pass  # the rollout rank is already gone (it failed, or was stopped): nothing to tell it
+
+
+def serve(engine, trainers: list[int], sync_group, device):
+    """The rollout role's loop (disaggregate): take one message from each of its trainers, in
+    order (they send the same sequence): new weights (received bucket by bucket from trainer
+    0's broadcast and loaded as they arrive), a generation request each (answered in the
+    order received), or stop."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainers save a checkpoint first, then tell us to stop
+    stats, sent = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, []
+    while True:
+        t = time.perf_counter()
+        msgs = [dist.recv_obj(r) for r in trainers]
+        stats["idle_s"] += time.perf_counter() - t
+        op = msgs[0]["op"]
+        if op == "stop":
+            break
+        t = time.perf_counter()
+        if op == "weights":
+            m = msgs[0]
+            engine.version = m["version"]
+            buckets = dist.plan_buckets(m["specs"], m["bucket_bytes"])
+            engine.load_weights(dist.receive_buckets(buckets, {n: s for n, s, _ in m["specs"]}, 0, sync_group, device))
+            stats["sync_s"] += time.perf_counter() - t
+            continue
+        for r, m in zip(trainers, msgs):  # one batch per trainer: the engine sees colocate's batches
+            out = engine.generate(m["prompts"], m["params"], m["seeds"])
+            stats["busy_s"] += time.perf_counter() - t
+            t = time.perf_counter()
+            sent = dist.reap(sent) + dist.isend_obj({"samples": out, "stats": dict(stats)}, r)
+    dist.wait_all(sent)
 
 
 def _cut(text: str, stop: list[str]) -> str:

@@ -80,25 +80,25 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
+    dist.barrier(group=actor.group)
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
     error = ""
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=actor.group)
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             json.dump({"torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}, f)
     except (OSError, CheckpointException) as e:  # a full disk, a quota: lose this save, not the run
         error = str(e).strip().splitlines()[-1][:300]
     failed = torch.tensor([float(bool(error))])
-    dist.all_reduce(failed)  # every rank must agree, or the next collective would split them
+    dist.all_reduce(failed, group=actor.group)  # every rank must agree, or the next collective would split them
     if failed.item():
-        dist.barrier()
+        dist.barrier(group=actor.group)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         return {"seconds": time.perf_counter() - t, "path": None, "error": error or "failed on another rank"}
     if rank == 0:
         meta = {"step": step, "scheduler": actor.sched.state_dict(), "model": actor.config.to_hf(),
-                "world": dist.get_world_size(), **(extra or {})}
+                "world": dist.get_world_size(actor.group), **(extra or {})}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
         if os.path.exists(final):  # the same step saved again (a resumed run): replace it whole
@@ -107,7 +107,7 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
         done = sorted(p for p in os.listdir(_dir(run_dir)) if p.startswith(PREFIX) and not p.endswith(".tmp"))
         for old in done[:-keep] if keep > 0 else []:
             shutil.rmtree(os.path.join(_dir(run_dir), old), ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=actor.group)
     return {"seconds": time.perf_counter() - t, "path": final, "error": None}
 
 
@@ -124,7 +124,7 @@ def load(path: str, actor, rank: int) -> dict:
                          "resume with the --model it was trained from, or start a new --run-dir")
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeReader(path))
+    dcp.load(state, storage_reader=SafeReader(path), process_group=actor.group)
     set_state_dict(actor.model, actor.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     actor.sched.load_state_dict(meta["scheduler"])
     rank_file = os.path.join(path, f"rank{rank}.json")

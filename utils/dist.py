@@ -1,6 +1,9 @@
-"""torch.distributed plumbing: process group set-up, FSDP2 sharding, metric reduction."""
+"""torch.distributed plumbing: process group set-up, FSDP2 sharding, metric reduction,
+point-to-point messages between roles and the bucketed weight broadcast."""
 import datetime
+import math
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,109 @@ def full_tensors(model):
     for name, p in model.named_parameters():
         t = p.detach()
         yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def weight_specs(model) -> list[tuple[str, tuple, torch.dtype]]:
+    """(hf_name, full shape, dtype) of every parameter, in `full_tensors` order."""
+    return [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
+
+
+# ---- weight sync in buckets (disaggregate) ----
+
+def plan_buckets(specs, bucket_bytes: int) -> list[tuple[torch.dtype, int, list[tuple[str, int, int]]]]:
+    """Cut the flattened parameters, in order, into buckets of at most `bucket_bytes`, one
+    dtype per bucket (a dtype change closes the bucket). Returns (dtype, numel, pieces) per
+    bucket, pieces (name, start, stop) being element ranges of the flattened tensor; a
+    tensor larger than a bucket spans several. Sender and receivers compute the same plan
+    from the same specs, so only the bucket payloads travel."""
+    buckets, cur = [], None
+    for name, shape, dtype in specs:
+        numel, start = math.prod(shape), 0
+        cap = max(1, bucket_bytes // dtype.itemsize)  # elements per bucket
+        while start < numel:
+            if cur is None or cur[0] != dtype or cur[1] == cap:
+                cur = [dtype, 0, []]
+                buckets.append(cur)
+            take = min(numel - start, cap - cur[1])
+            cur[2].append((name, start, start + take))
+            cur[1] += take
+            start += take
+    return [tuple(b) for b in buckets]
+
+
+def broadcast_buckets(weights, buckets, src: int, group, device) -> int:
+    """Sender side: copy the (name, tensor) stream, in plan order, into one reused buffer per
+    dtype and broadcast it bucket by bucket. Extra memory: one bucket plus the tensor being
+    copied. Returns the bytes broadcast."""
+    weights, bufs, nbytes = iter(weights), {}, 0
+    name = flat = None
+    for dtype, numel, pieces in buckets:
+        buf = bufs.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = bufs[dtype] = torch.empty(max(n for d, n, _ in buckets if d == dtype), dtype=dtype, device=device)
+        off = 0
+        for piece, start, stop in pieces:
+            if start == 0:
+                name, tensor = next(weights)
+                if name != piece:
+                    raise RuntimeError(f"weight stream out of order: got {name}, the bucket plan expects {piece}")
+                flat = tensor.detach().reshape(-1)
+            buf[off:off + stop - start].copy_(flat[start:stop])
+            off += stop - start
+        dist.broadcast(buf[:numel], src=src, group=group)
+        nbytes += numel * dtype.itemsize
+    return nbytes
+
+
+def receive_buckets(buckets, shapes: dict, src: int, group, device):
+    """Receiver side: yields (name, full tensor) as soon as its last piece has arrived, so the
+    engine loads bucket by bucket. Each bucket lands in a fresh buffer that the yielded
+    tensors view (no copy) unless a tensor spans buckets."""
+    partial = {}
+    for dtype, numel, pieces in buckets:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        dist.broadcast(buf, src=src, group=group)
+        off = 0
+        for name, start, stop in pieces:
+            total, chunk = math.prod(shapes[name]), buf[off:off + stop - start]
+            off += stop - start
+            if start == 0 and stop == total:
+                yield name, chunk.view(shapes[name])
+                continue
+            full = partial.setdefault(name, torch.empty(total, dtype=dtype, device=device))
+            full[start:stop] = chunk
+            if stop == total:
+                yield name, partial.pop(name).view(shapes[name])
+
+
+# ---- messages between roles (disaggregate): pickled objects over point-to-point send/recv ----
+# The peers are ranks of this same job (trusted), and the payloads are small: prompts,
+# sampling settings, samples. Weights never go this way.
+
+def isend_obj(obj, dst: int) -> list:
+    """Non-blocking send; keep the returned handles (they hold the buffers) and `wait_all` later."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    return [(dist.isend(size, dst), size), (dist.isend(data, dst), data)]
+
+
+def recv_obj(src: int):
+    size = torch.empty(1, dtype=torch.long)
+    dist.recv(size, src)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def wait_all(handles: list) -> list:
+    for work, _ in handles:
+        work.wait()
+    return []
+
+
+def reap(handles: list) -> list:
+    """Drop the handles of sends that have completed."""
+    return [(w, t) for w, t in handles if not w.is_completed()]
 
 
 def reduce(values: dict, op=dist.ReduceOp.SUM, group=None) -> dict[str, float]:
