@@ -423,7 +423,7 @@ if __name__ == "__main__":  # python -m roles.rollout --model DIR: sample a few 
     import argparse
 
     from utils.data import BUILTIN, Tokenizer, load_rows
-    from utils.model import iter_checkpoint, read_config
+    from utils.model import iter_checkpoint
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="assets/arith-tiny")

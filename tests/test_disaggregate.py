@@ -1,0 +1,147 @@
+"""Disaggregated placement: layout checks, bucket plans, exact bucketed broadcast, the same run
+as colocate at staleness 0, the staleness bound, and a dead rollout rank failing the trainers."""
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_fsdp import ROOT, torchrun
+from test_train_grpo import TINY, metrics
+
+import placement
+from utils.dist import plan_buckets
+from utils.tiny import random_checkpoint
+
+pytestmark = pytest.mark.flaky(reruns=1)  # launches ranks: see tests/conftest.py
+
+
+def test_layout_says_what_fits():
+    with pytest.raises(ValueError, match=r"fits: --rollout-ranks in \[1, 2\]"):
+        placement.Layout("disaggregate", 4, dp=1, rollout=3)
+    with pytest.raises(ValueError, match=r"fits: --rollout-ranks in \[1\]"):
+        placement.Layout("disaggregate", 3, dp=1, rollout=2)  # 1 trainer cannot feed 2 rollout ranks
+    with pytest.raises(ValueError, match="needs at least 2 ranks"):
+        placement.Layout("disaggregate", 1, dp=1, rollout=0)
+    with pytest.raises(ValueError, match="applies to --placement disaggregate only"):
+        placement.Layout("colocate", 2, dp=1, rollout=1)
+    with pytest.raises(ValueError, match="add --placement disaggregate"):
+        placement.plan("colocate", 0, 2, torch.device("cpu"), 4, max_staleness=1)
+    placement.Layout("disaggregate", 6, dp=4, rollout=2)  # fits: 2 trainers per rollout rank
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 6, 64, 96, 1000, 10**9])
+def test_bucket_plan_covers_every_tensor_once_within_the_bound(bucket_bytes):
+    specs = [("a", (3, 5), torch.float32), ("b", (7,), torch.float32), ("c", (4, 4), torch.bfloat16),
+             ("d", (2,), torch.float32), ("e", (24,), torch.float32)]
+    buckets = plan_buckets(specs, bucket_bytes)
+    covered = {name: [] for name, _, _ in specs}
+    dtype_of = {name: dtype for name, _, dtype in specs}
+    for dtype, numel, pieces in buckets:
+        assert numel == sum(stop - start for _, start, stop in pieces)
+        assert numel * dtype.itemsize <= max(bucket_bytes, dtype.itemsize)  # bounded bytes
+        assert all(dtype_of[name] == dtype for name, _, _ in pieces)  # one dtype per bucket
+        for name, start, stop in pieces:
+            covered[name].append((start, stop))
+    for name, shape, _ in specs:  # contiguous, in order, exactly once
+        ranges = covered[name]
+        assert ranges[0][0] == 0 and ranges[-1][1] == math.prod(shape)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if bucket_bytes >= 10**9:
+        assert len(buckets) == 3  # fp32 a, b | bf16 c | fp32 d, e: a dtype change closes a bucket
+
+
+def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):
+    model = str(tmp_path / "model")
+    random_checkpoint(model, seed=3, tie_word_embeddings=False, num_hidden_layers=2)
+    w = load_file(os.path.join(model, "model.safetensors"))
+    biggest = max(t.numel() * t.element_size() for t in w.values())
+    smallest = min(t.numel() * t.element_size() for t in w.values())
+    total = sum(t.numel() * t.element_size() for t in w.values())
+    sizes = [smallest // 2, biggest, 2 * total]  # smaller than any tensor, exactly the largest, the whole model
+    torchrun(4, "tests/helpers/weight_sync.py", model, str(tmp_path), *map(str, sizes), timeout=180)
+    for i in range(len(sizes)):
+        sent = load_file(str(tmp_path / f"sent_sync{i}.safetensors"))
+        assert set(sent) == set(w)
+        for rank in (2, 3):
+            got = load_file(str(tmp_path / f"rank{rank}_sync{i}.safetensors"))
+            assert set(got) == set(sent)
+            for k in sent:
+                assert got[k].dtype == sent[k].dtype and torch.equal(got[k], sent[k]), (i, rank, k)
+    assert not torch.equal(load_file(str(tmp_path / "sent_sync0.safetensors"))["model.norm.weight"],
+                           load_file(str(tmp_path / "sent_sync1.safetensors"))["model.norm.weight"])
+
+
+DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1"]
+
+
+def test_on_policy_disaggregate_is_the_colocate_run(tmp_path):
+    """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks, same
+    seed. Each step the same prompts go to the same trainer ranks with the same per-prompt
+    seeds, and the rollout rank generates each trainer's batch separately (the batches a
+    colocated engine sees), from weights broadcast exactly: so every non-timing metric
+    (rewards, lengths, losses, gradient norms, log-prob gaps, held-out accuracy) and the final
+    weights must be bit-identical."""
+    co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
+    torchrun(2, "train_grpo.py", *TINY, "--run-dir", co)
+    torchrun(3, "train_grpo.py", *TINY, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("perf/", "placement/"))} for r in rs]  # noqa: E731
+    a, b = metrics(co), metrics(dis)
+    assert len(a) == 4 and strip(a) == strip(b)
+    assert all(r["placement/staleness_max"] == 0 for r in b[:3])
+    assert all(r["perf/sync_bytes"] > 0 for r in b[:3])
+    wa, wb = load_file(os.path.join(co, "final", "model.safetensors")), load_file(os.path.join(dis, "final", "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):
+    run = str(tmp_path / "s1")
+    torchrun(3, "train_grpo.py", *TINY, "--steps", "5", *DISAGG, "--max-staleness", "1", "--run-dir", run)
+    rows = [r for r in metrics(run) if not r.get("final")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    staleness = [r["placement/staleness_max"] for r in rows]
+    assert max(staleness) <= 1
+    assert staleness[0] == 0 and staleness[1:] == [1, 1, 1, 1]  # step k+1 was generated while step k trained
+    for r in rows:
+        for key in ("placement/trainer_busy_s", "placement/trainer_idle_s", "placement/rollout_busy_s",
+                    "placement/rollout_idle_s", "placement/idle_share", "perf/sync_s", "perf/sync_bytes"):
+            assert r[key] >= 0, key
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
+    """The ranks are started by hand (not torchrun, which would kill the others itself) so that
+    what the trainers do on their own is what is tested."""
+    run = str(tmp_path / "dead")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    cmd = [sys.executable, "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG,
+           "--timeout-s", "60", "--run-dir", run]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        deadline = time.time() + 120
+        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and
+                   os.path.getsize(os.path.join(run, "metrics.jsonl"))):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+            time.sleep(0.05)
+        procs[2].send_signal(signal.SIGKILL)  # the rollout rank dies mid-run
+        t = time.time()
+        outs = [p.communicate(timeout=90) for p in procs[:2]]
+        assert time.time() - t < 60  # well inside --timeout-s: a closed connection is seen at once
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode != 0 for p in procs[:2])
+    assert "rollout rank 2 stopped answering" in outs[0][1] + outs[1][1], outs[0][1][-2000:]
+    assert len(metrics(run)) < 200
