@@ -104,7 +104,7 @@ class Args:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
+    """generation engine: auto = vLLM on GPU when installed (colocate), else native (see README for vLLM on CPU)"""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """colocate: every rank trains and generates, taking turns; disaggregate: --rollout-ranks ranks
     only generate while the others only train"""
@@ -172,8 +172,12 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.max_prompt_tokens + args.max_new_tokens
+    if args.placement == "disaggregate" and args.engine == "vllm":
+        raise SystemExit("--engine vllm does not run with --placement disaggregate yet: an in-process vLLM builds "
+                         "its process groups over the whole torchrun world, and the trainer ranks would have to "
+                         "join them; use --engine native (auto picks it here) or --placement colocate")
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
-        engine = make_engine(args.engine, args.model, read_config(args.model), Tokenizer(args.model), device,
+        engine = make_engine("native" if args.engine == "auto" else args.engine, args.model, read_config(args.model), Tokenizer(args.model), device,
                              param_dtype, max_len, args.seed)
         serve(engine, plan.trainers, plan.sync_group, device)
         engine.close()

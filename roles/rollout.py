@@ -1,6 +1,7 @@
 """The rollout role: a generation engine behind one small interface.
 
-    engine.load_weights(iter of (hf_name, tensor))   replace the weights in place
+    engine.load_weights(iter of (hf_name, tensor))   replace the weights in place (copy each tensor
+                                                     before asking for the next: it may be reused)
     engine.generate(prompt_ids, params, seeds)    -> Samples (n per prompt, prompt-major)
     engine.release()                                 free weights and cache (colocate)
     engine.submit(...) -> ticket; engine.result(ticket)   generate, possibly in the background
@@ -94,7 +95,9 @@ def sample_tokens(logits, params: SamplingParams, u):
 class FusedDecoder:
     """Inference copy of a `Transformer` with q/k/v and gate/up fused into one matmul each
     (gpt-fast's trick: at small batch the step is bound by per-op overhead, so fewer and
-    larger matmuls win). Same math as `Transformer.forward`; tested against transformers."""
+    larger matmuls win). Same math as `Transformer.forward`; tested against transformers.
+    The model's q/k/v and gate/up parameters become views of the fused tensors, so loading
+    new weights into the model updates the decoder in place (no second copy per update)."""
 
     def __init__(self, model):
         self.cfg, self.inv_freq = model.config, model.inv_freq
@@ -102,11 +105,11 @@ class FusedDecoder:
         self.layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
             self.layers.append((
-                layer.input_layernorm, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
+                layer.input_layernorm, _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
                 a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm,
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+                _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
 
     def __call__(self, tokens, positions, mask, cache: KVCache):
         """tokens, positions [B, S]; mask bool [B, 1, S, L]; returns last-position logits [B, V]."""
@@ -144,6 +147,16 @@ class Engine:
         return ticket
 
 
+def _fuse(params):
+    """One tensor holding `params` stacked along dim 0; each parameter becomes a view of it."""
+    fused = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
 class NativeEngine(Engine):
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
@@ -154,8 +167,8 @@ class NativeEngine(Engine):
         """Replace the weights from (hf_name, tensor) pairs (a full set)."""
         if self.model is None:
             self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
+            self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
         load_state(self.model, weights)
-        self.decoder = FusedDecoder(self.model)
 
     def release(self):
         """Drop weights (the KV cache lives only inside generate)."""
@@ -262,7 +275,9 @@ class VLLMEngine(Engine):
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        # copies: an iterator may hand out views of a buffer it reuses (a received bucket)
+        weights = [(name, t.clone()) for name, t in weights]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.gpu and self.tied:
             self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
@@ -326,6 +341,7 @@ class RemoteEngine:
         self.device, self.version = device, 0
         self.sent, self.waiting, self.done, self.next = [], deque(), {}, 0
         self.stats, self.seen = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, {}
+        self.bufs = {}  # trainer 0's bucket buffers, kept across syncs
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung (see its "
@@ -337,7 +353,7 @@ class RemoteEngine:
             self.peer)
         try:
             if self.is_src:
-                dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device)
+                dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device, self.bufs)
             else:
                 for _ in weights:  # the gathers are collectives over the trainers: join them
                     pass
@@ -390,7 +406,7 @@ def serve(engine, trainers: list[int], sync_group, device):
     0's broadcast and loaded as they arrive), a generation request each (answered in the
     order received), or stop."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainers save a checkpoint first, then tell us to stop
-    stats, sent = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, []
+    stats, sent, bufs = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, [], {}  # bufs: bucket buffers, kept
     while True:
         t = time.perf_counter()
         msgs = [dist.recv_obj(r) for r in trainers]
@@ -403,7 +419,8 @@ def serve(engine, trainers: list[int], sync_group, device):
             m = msgs[0]
             engine.version = m["version"]
             buckets = dist.plan_buckets(m["specs"], m["bucket_bytes"])
-            engine.load_weights(dist.receive_buckets(buckets, {n: s for n, s, _ in m["specs"]}, 0, sync_group, device))
+            shapes = {n: s for n, s, _ in m["specs"]}
+            engine.load_weights(dist.receive_buckets(buckets, shapes, 0, sync_group, device, bufs))
             stats["sync_s"] += time.perf_counter() - t
             continue
         for r, m in zip(trainers, msgs):  # one batch per trainer: the engine sees colocate's batches

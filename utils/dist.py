@@ -105,17 +105,25 @@ def plan_buckets(specs, bucket_bytes: int) -> list[tuple[torch.dtype, int, list[
     return [tuple(b) for b in buckets]
 
 
-def broadcast_buckets(weights, buckets, src: int, group, device) -> int:
-    """Sender side: copy the (name, tensor) stream, in plan order, into one reused buffer per
-    dtype and broadcast it bucket by bucket. Extra memory: one bucket plus the tensor being
-    copied. Returns the bytes broadcast."""
-    weights, bufs, nbytes = iter(weights), {}, 0
-    name = flat = None
-    for dtype, numel, pieces in buckets:
-        buf = bufs.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = bufs[dtype] = torch.empty(max(n for d, n, _ in buckets if d == dtype), dtype=dtype, device=device)
-        off = 0
+def _buffers(bufs: dict, buckets, device) -> dict:
+    """Two reusable buffers per dtype, as large as that dtype's largest bucket, kept in the
+    caller's `bufs` across syncs: fresh memory per bucket costs more in page faults than the
+    broadcast itself (measured on CPU: 0.2 s per 382 MiB, the raw broadcast 0.24 s)."""
+    for dtype in {d for d, _, _ in buckets}:
+        numel = max(n for d, n, _ in buckets if d == dtype)
+        if dtype not in bufs or bufs[dtype][0].numel() < numel:
+            bufs[dtype] = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
+    return bufs
+
+
+def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict) -> int:
+    """Sender side: copy the (name, tensor) stream, in plan order, into a bucket buffer and
+    broadcast it; the next bucket is filled while the previous one is on the wire (two
+    buffers). Extra memory: two buckets plus the tensor being copied. Returns the bytes sent."""
+    weights, bufs, nbytes = iter(weights), _buffers(bufs, buckets, device), 0
+    flat, in_flight = None, None
+    for i, (dtype, numel, pieces) in enumerate(buckets):
+        buf, off = bufs[dtype][i % 2][:numel], 0
         for piece, start, stop in pieces:
             if start == 0:
                 name, tensor = next(weights)
@@ -124,20 +132,28 @@ def broadcast_buckets(weights, buckets, src: int, group, device) -> int:
                 flat = tensor.detach().reshape(-1)
             buf[off:off + stop - start].copy_(flat[start:stop])
             off += stop - start
-        dist.broadcast(buf[:numel], src=src, group=group)
+        work = dist.broadcast(buf, src=src, group=group, async_op=True)
+        if in_flight is not None:
+            in_flight.wait()  # the buffer it used is filled again only after this
+        in_flight = work
         nbytes += numel * dtype.itemsize
+    if in_flight is not None:
+        in_flight.wait()
     return nbytes
 
 
-def receive_buckets(buckets, shapes: dict, src: int, group, device):
+def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
     """Receiver side: yields (name, full tensor) as soon as its last piece has arrived, so the
-    engine loads bucket by bucket. Each bucket lands in a fresh buffer that the yielded
-    tensors view (no copy) unless a tensor spans buckets."""
-    partial = {}
-    for dtype, numel, pieces in buckets:
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        dist.broadcast(buf, src=src, group=group)
-        off = 0
+    engine loads bucket by bucket while the next bucket is being received (two buffers). The
+    tensors are views of a buffer that is reused two buckets later: copy each before asking
+    for the next. A tensor spanning buckets is assembled in its own memory."""
+    bufs, partial = _buffers(bufs, buckets, device), {}
+    post = lambda i: dist.broadcast(bufs[buckets[i][0]][i % 2][:buckets[i][1]], src=src, group=group,  # noqa: E731
+                                    async_op=True)
+    works = [post(i) for i in range(min(2, len(buckets)))]
+    for i, (dtype, numel, pieces) in enumerate(buckets):
+        works[i].wait()
+        buf, off = bufs[dtype][i % 2][:numel], 0
         for name, start, stop in pieces:
             total, chunk = math.prod(shapes[name]), buf[off:off + stop - start]
             off += stop - start
@@ -148,6 +164,8 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device):
             full[start:stop] = chunk
             if stop == total:
                 yield name, partial.pop(name).view(shapes[name])
+        if i + 2 < len(buckets):
+            works.append(post(i + 2))  # into this bucket's buffer: its tensors have been copied out
 
 
 # ---- messages between roles (disaggregate): pickled objects over point-to-point send/recv ----
