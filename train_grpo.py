@@ -166,19 +166,19 @@ def evaluate(engine, scorer, rows, args, rank, dp, group):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    if args.placement == "disaggregate" and args.engine == "vllm":
+        raise SystemExit("--engine vllm does not run with --placement disaggregate yet: an in-process vLLM builds "
+                         "its process groups over the whole torchrun world, and the trainer ranks would have to "
+                         "join them; use --engine native (auto picks it here) or --placement colocate")
     rank, world, device = dist.init(args.timeout_s)
     plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
                           args.max_staleness, args.timeout_s)
     torch.manual_seed(args.seed)
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.max_prompt_tokens + args.max_new_tokens
-    if args.placement == "disaggregate" and args.engine == "vllm":
-        raise SystemExit("--engine vllm does not run with --placement disaggregate yet: an in-process vLLM builds "
-                         "its process groups over the whole torchrun world, and the trainer ranks would have to "
-                         "join them; use --engine native (auto picks it here) or --placement colocate")
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
-        engine = make_engine("native" if args.engine == "auto" else args.engine, args.model, read_config(args.model), Tokenizer(args.model), device,
-                             param_dtype, max_len, args.seed)
+        engine = make_engine("native", args.model, read_config(args.model), Tokenizer(args.model), device,
+                             param_dtype, max_len, args.seed)  # vLLM is refused above in this mode
         serve(engine, plan.trainers, plan.sync_group, device)
         engine.close()
         dist.close()
@@ -230,8 +230,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
     log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start) if rank == 0 else None
     if rank == 0:
-        print(f"{world} rank(s), {args.placement} ({dp} trainer(s)), {type(engine).__name__}; model {args.model} ({actor.config.num_params() / 1e6:.2f}M params); "
-              f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
+        print(f"{world} rank(s), {args.placement} ({dp} trainer(s)), {type(engine).__name__}; model {args.model} "
+              f"({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
               flush=True)
 
     per_rank = args.prompts_per_step // dp

@@ -145,3 +145,9 @@ def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
     assert all(p.returncode != 0 for p in procs[:2])
     assert "rollout rank 2 stopped answering" in outs[0][1] + outs[1][1], outs[0][1][-2000:]
     assert len(metrics(run)) < 200
+
+
+def test_vllm_with_disaggregate_is_refused_with_the_alternatives():
+    p = subprocess.run([sys.executable, "train_grpo.py", "--placement", "disaggregate", "--engine", "vllm"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "use --engine native" in p.stderr
