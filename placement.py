@@ -69,6 +69,8 @@ class Plan:
 def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_step: int, rollout_ranks: int = 0,
          max_staleness: int = 0, timeout_s: float = 300) -> Plan:
     layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks)
+    if max_staleness < 0:
+        raise ValueError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of versions")
     if max_staleness and mode != "disaggregate":
         raise ValueError(f"--max-staleness {max_staleness} overlaps generation with training, which needs "
                          "separate rollout ranks: add --placement disaggregate --rollout-ranks K, or drop the flag")

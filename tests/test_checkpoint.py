@@ -17,7 +17,7 @@ from utils.tiny import random_checkpoint
 pytestmark = pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 
 FLAGS = [f for f in TINY if f not in ("--steps", "3")] + ["--steps", "10", "--save-every", "2"]
-strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]  # noqa: E731
+strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("perf/", "placement/"))} for r in rs]  # noqa: E731
 
 
 def test_partial_checkpoints_are_ignored(tmp_path):

@@ -101,7 +101,8 @@ def test_on_policy_disaggregate_is_the_colocate_run(tmp_path):
 
 def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):
     run = str(tmp_path / "s1")
-    torchrun(3, "train_grpo.py", *TINY, "--steps", "5", *DISAGG, "--max-staleness", "1", "--run-dir", run)
+    flags = [*TINY, *DISAGG, "--max-staleness", "1", "--save-every", "2", "--run-dir", run]
+    torchrun(3, "train_grpo.py", *flags, "--steps", "5")
     rows = [r for r in metrics(run) if not r.get("final")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     staleness = [r["placement/staleness_max"] for r in rows]
@@ -111,6 +112,13 @@ def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):
         for key in ("placement/trainer_busy_s", "placement/trainer_idle_s", "placement/rollout_busy_s",
                     "placement/rollout_idle_s", "placement/idle_share", "perf/sync_s", "perf/sync_bytes"):
             assert r[key] >= 0, key
+
+    # the trainers' checkpoint (collective over the trainer ranks only) resumes; the pipeline
+    # of requests sent ahead starts again, so the first resumed step is on-policy
+    torchrun(3, "train_grpo.py", *flags, "--steps", "7", "--resume", "auto")
+    rows = [r for r in metrics(run) if not r.get("final")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert [r["placement/staleness_max"] for r in rows[4:]] == [0, 1, 1]
 
 
 def _free_port():
