@@ -58,6 +58,7 @@ class Plan:
     mesh: object = None  # the trainers' 1-D DeviceMesh ("dp"); None on rollout ranks
     group: object = None  # the trainers' process group: metric reductions, checkpoints
     sync_group: object = None  # trainer 0 + the rollout ranks: the weight broadcast (disaggregate)
+    requests: object = None  # all ranks, long timeout: trainers' requests, which rollout ranks wait for
     peer: int | None = None  # a trainer's rollout rank (disaggregate)
     trainers: list = field(default_factory=list)  # a rollout rank's trainers, in the order it serves them
 
@@ -85,11 +86,14 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
     timeout = datetime.timedelta(seconds=timeout_s)
     trainers = dist.new_group(list(range(layout.dp)), timeout=timeout)
     sync_group = dist.new_group([0, *range(layout.dp, world)], timeout=timeout)
+    # a rollout rank waits for its next request through whole training steps, checkpoints and
+    # exports: no timeout there (a week); a trainer that dies still fails it at once (closed socket)
+    requests = dist.new_group(list(range(world)), timeout=datetime.timedelta(days=7))
     peer_of = lambda i: layout.dp + i % layout.rollout  # noqa: E731
     if rank < layout.dp:
         mesh = DeviceMesh.from_group(trainers, device.type, mesh_dim_names=("dp",))
-        return Plan(layout, rank, "trainer", mesh, trainers, sync_group, peer=peer_of(rank))
-    return Plan(layout, rank, "rollout", sync_group=sync_group,
+        return Plan(layout, rank, "trainer", mesh, trainers, sync_group, requests, peer=peer_of(rank))
+    return Plan(layout, rank, "rollout", sync_group=sync_group, requests=requests,
                 trainers=[i for i in range(layout.dp) if peer_of(i) == rank])
 
 
@@ -114,6 +118,8 @@ def sync(actor, engine, version: int) -> dict:
 
     engine.version = version
     engine.load_weights(counted())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
     return {"sync_s": time.perf_counter() - t, "sync_gather_s": gather_s, "sync_bytes": nbytes}
 
 

@@ -179,7 +179,7 @@ if __name__ == "__main__":
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
         engine = make_engine("native", args.model, read_config(args.model), Tokenizer(args.model), device,
                              param_dtype, max_len, args.seed)  # vLLM is refused above in this mode
-        serve(engine, plan.trainers, plan.sync_group, device)
+        serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
         engine.close()
         dist.close()
         raise SystemExit(0)
@@ -205,7 +205,7 @@ if __name__ == "__main__":
     reward_eval = Reward(["accuracy"])
     if args.placement == "disaggregate":  # this rank's rollout rank, behind the engine interface
         engine = RemoteEngine(plan.peer, actor.weight_specs(), int(args.sync_bucket_mb * 2**20), plan.sync_group,
-                              rank == 0, device)
+                              plan.requests, rank == 0, device)
     else:
         engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype, max_len, args.seed)
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
@@ -235,13 +235,17 @@ if __name__ == "__main__":
               flush=True)
 
     per_rank = args.prompts_per_step // dp
-    skipped_steps = 0
+    skipped_steps, stopped = 0, False  # stopped: some rank was asked to stop (SIGTERM)
     in_flight, submitted = {}, start  # step -> (this rank's rows, request): rollouts sent ahead of training
     for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
         t_step = time.perf_counter()
         metrics = {}
         # weight sync: the policy after `step` updates goes to this rank's engine (colocate) or is
-        # broadcast in buckets to the rollout ranks (disaggregate)
+        # broadcast in buckets to the rollout ranks (disaggregate), once they have answered every
+        # request sent ahead (they serve in order)
+        t = time.perf_counter()
+        engine.collect()
+        wait_s = time.perf_counter() - t
         sync = placement.sync(actor, engine, version=step)
         t = time.perf_counter()
         if args.eval_every and eval_rows and (step % args.eval_every == 0 or step == args.steps):
@@ -307,7 +311,7 @@ if __name__ == "__main__":
         if args.placement == "disaggregate":
             roll = engine.take_stats()  # the rollout rank's seconds since the last step
             roll_busy, roll_idle = roll["busy_s"] + roll["sync_s"], roll["idle_s"]
-            device_idle = gen_s + eval_s + roll_idle * plan.layout.rollout / dp
+            device_idle = wait_s + gen_s + eval_s + roll_idle * plan.layout.rollout / dp
         else:
             roll_busy = gen_s + eval_s
             roll_idle = step_s - roll_busy
@@ -319,7 +323,7 @@ if __name__ == "__main__":
             **sums, **{f"reward/{k}": v.sum() for k, v in parts.items()}, "reward": rewards.sum(),
             "failures": failures, "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
             "all_same": (groups.max(-1).values == groups.min(-1).values).sum(), "staleness": step - out.version,
-            "trainer_busy": busy_s, "trainer_idle": gen_s + eval_s, "rollout_busy": roll_busy,
+            "trainer_busy": busy_s, "trainer_idle": wait_s + gen_s + eval_s, "rollout_busy": roll_busy,
             "rollout_idle": roll_idle, "device_idle": device_idle})
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30  # GPU memory, else RSS
@@ -363,8 +367,9 @@ if __name__ == "__main__":
             elif rank == 0:
                 print(f"saved {saved['path']} in {saved['seconds']:.2f}s", flush=True)
             if peak["sigterm"]:
+                stopped = True
                 break
-    if args.save_final and not stop["sigterm"]:
+    if args.save_final and not stopped:  # the same on every rank (reduced): the export is collective
         export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
     if rank == 0:
         log.close()

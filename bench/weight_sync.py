@@ -68,7 +68,7 @@ if plan.role == "rollout":
         results[mb] = (med(recv), med(load), len(buckets))
     raw = [timed(lambda: tdist.broadcast(flat, src=0, group=sync_group)) for _ in range(a.reps)]
     dist.wait_all(dist.isend_obj((results, med(raw)), 0))
-    serve(engine, plan.trainers, sync_group, device)  # the end-to-end part: placement.sync as a run does it
+    serve(engine, plan.trainers, sync_group, plan.requests, device)  # the end-to-end part: placement.sync as a run does it
 else:
     actor = Actor(path, plan.mesh, device, lr=1e-5, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)
     specs = actor.weight_specs()
@@ -94,7 +94,7 @@ else:
     del full
     e2e = {}
     for mb in a.buckets_mb:
-        engine = RemoteEngine(plan.peer, specs, int(mb * 2**20), sync_group, rank == 0, device)
+        engine = RemoteEngine(plan.peer, specs, int(mb * 2**20), sync_group, plan.requests, rank == 0, device)
         e2e[mb] = med([placement.sync(actor, engine, version=i)["sync_s"] for i in range(a.reps)])
     engine.close()
     if rank == 0:

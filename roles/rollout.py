@@ -137,7 +137,7 @@ class FusedDecoder:
 
 class Engine:
     """What local engines share: `version` of the loaded weights (set by placement.sync), and
-    submit/result that simply generate now (only a remote engine runs in the background)."""
+    submit/result/collect that simply generate now (only a remote engine runs in the background)."""
     version = 0
 
     def submit(self, prompts, params, seeds):
@@ -145,6 +145,9 @@ class Engine:
 
     def result(self, ticket) -> Samples:
         return ticket
+
+    def collect(self):
+        pass
 
 
 def _fuse(params):
@@ -332,14 +335,19 @@ class RemoteEngine:
 
     Requests go out with non-blocking sends and the samples come back in request order, so
     a trainer can submit step k+1 and train step k while the rollout rank generates.
-    `load_weights` tells the rollout rank a new version is coming; trainer 0 then broadcasts
-    the weights bucket by bucket (every trainer joins the FSDP gathers that produce them)."""
+    `load_weights` first collects every reply still due (the rollout rank serves in order:
+    it takes new weights only after those), tells the rollout rank a new version is coming,
+    and trainer 0 broadcasts the weights bucket by bucket (every trainer joins the FSDP
+    gathers that produce them). Requests travel on `requests`, a group whose timeout is long
+    because the rollout rank waits there through whole training steps; a rank that dies
+    still fails its peers at once (its connections close)."""
 
-    def __init__(self, peer: int, specs, bucket_bytes: int, sync_group, is_src: bool, device):
-        self.peer, self.specs, self.bucket_bytes, self.group, self.is_src = peer, specs, bucket_bytes, sync_group, is_src
+    def __init__(self, peer: int, specs, bucket_bytes: int, sync_group, requests, is_src: bool, device):
+        self.peer, self.specs, self.bucket_bytes, self.is_src = peer, specs, bucket_bytes, is_src
+        self.group, self.requests, self.device = sync_group, requests, device
         self.buckets = dist.plan_buckets(specs, bucket_bytes)
-        self.device, self.version = device, 0
-        self.sent, self.waiting, self.done, self.next = [], deque(), {}, 0
+        self.version, self.next, self.done = 0, 0, {}
+        self.sent = deque()  # (ticket or None, send handles) in send order
         self.stats, self.seen = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, {}
         self.bufs = {}  # trainer 0's bucket buffers, kept across syncs
 
@@ -347,24 +355,24 @@ class RemoteEngine:
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung (see its "
                             f"output above). The trainers stop here; the last checkpoint is intact. ({e})")
 
+    def _send(self, msg, ticket=None):
+        self.sent.append((ticket, dist.isend_obj(msg, self.peer, self.requests)))
+
     def load_weights(self, weights):
-        self.sent = dist.reap(self.sent) + dist.isend_obj(
-            {"op": "weights", "version": self.version, "specs": self.specs, "bucket_bytes": self.bucket_bytes},
-            self.peer)
+        self.collect()
+        self._send({"op": "weights", "version": self.version, "specs": self.specs, "bucket_bytes": self.bucket_bytes})
+        if not self.is_src:
+            for _ in weights:  # the gathers are collectives over the trainers: join them
+                pass
+            return
         try:
-            if self.is_src:
-                dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device, self.bufs)
-            else:
-                for _ in weights:  # the gathers are collectives over the trainers: join them
-                    pass
+            dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device, self.bufs)
         except RuntimeError as e:
             raise self._fail(e, "receiving weights") from e
 
     def submit(self, prompts, params, seeds) -> int:
-        self.sent = dist.reap(self.sent) + dist.isend_obj(
-            {"op": "generate", "prompts": prompts, "params": params, "seeds": seeds}, self.peer)
-        self.waiting.append(self.next)
         self.next += 1
+        self._send({"op": "generate", "prompts": prompts, "params": params, "seeds": seeds}, self.next - 1)
         return self.next - 1
 
     def result(self, ticket: int) -> Samples:
@@ -373,16 +381,27 @@ class RemoteEngine:
                 reply = dist.recv_obj(self.peer)
             except RuntimeError as e:
                 raise self._fail(e, "generating") from e
-            self.done[self.waiting.popleft()] = reply["samples"]
             self.stats = reply["stats"]
+            while True:  # a reply means its request, and every message before it, has arrived
+                sent_ticket, handles = self.sent.popleft()
+                dist.wait_all(handles)
+                if sent_ticket is not None:
+                    self.done[sent_ticket] = reply["samples"]
+                    break
         return self.done.pop(ticket)
+
+    def collect(self):
+        """Receive every reply still due (kept for `result`)."""
+        pending = [t for t, _ in self.sent if t is not None]
+        if pending:
+            self.done[pending[-1]] = self.result(pending[-1])
 
     def generate(self, prompts, params, seeds) -> Samples:
         return self.result(self.submit(prompts, params, seeds))
 
     def take_stats(self) -> dict:
         """The rollout rank's seconds busy generating, loading weights and idle (waiting for
-        requests) since the last call."""
+        requests) between its last two replies seen here and the ones before."""
         delta = {k: v - self.seen.get(k, 0.0) for k, v in self.stats.items()}
         self.seen = dict(self.stats)
         return delta
@@ -393,14 +412,15 @@ class RemoteEngine:
     def close(self):
         """Collect what is still in flight, then tell the rollout rank to stop."""
         try:
-            for ticket in list(self.waiting):
-                self.result(ticket)
-            self.sent = dist.wait_all(self.sent + dist.isend_obj({"op": "stop"}, self.peer))
+            self.collect()
+            self._send({"op": "stop"})
+            while self.sent:
+                dist.wait_all(self.sent.popleft()[1])
         except RuntimeError:
             pass  # the rollout rank is already gone (it failed, or was stopped): nothing to tell it
 
 
-def serve(engine, trainers: list[int], sync_group, device):
+def serve(engine, trainers: list[int], sync_group, requests, device):
     """The rollout role's loop (disaggregate): take one message from each of its trainers, in
     order (they send the same sequence): new weights (received bucket by bucket from trainer
     0's broadcast and loaded as they arrive), a generation request each (answered in the
@@ -409,13 +429,17 @@ def serve(engine, trainers: list[int], sync_group, device):
     stats, sent, bufs = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, [], {}  # bufs: bucket buffers, kept
     while True:
         t = time.perf_counter()
-        msgs = [dist.recv_obj(r) for r in trainers]
+        msgs = [dist.recv_obj(r, requests) for r in trainers]
         stats["idle_s"] += time.perf_counter() - t
-        op = msgs[0]["op"]
+        ops = {m["op"] for m in msgs}
+        if len(ops) > 1:
+            raise RuntimeError(f"trainers {trainers} sent different requests {ops}: they must run the same loop")
+        op = ops.pop()
         if op == "stop":
             break
         t = time.perf_counter()
         if op == "weights":
+            sent = dist.wait_all(sent)  # the trainers took every reply before sending weights
             m = msgs[0]
             engine.version = m["version"]
             buckets = dist.plan_buckets(m["specs"], m["bucket_bytes"])
@@ -427,7 +451,7 @@ def serve(engine, trainers: list[int], sync_group, device):
             out = engine.generate(m["prompts"], m["params"], m["seeds"])
             stats["busy_s"] += time.perf_counter() - t
             t = time.perf_counter()
-            sent = dist.reap(sent) + dist.isend_obj({"samples": out, "stats": dict(stats)}, r)
+            sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, r)
     dist.wait_all(sent)
 
 

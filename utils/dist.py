@@ -172,18 +172,19 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
 # The peers are ranks of this same job (trusted), and the payloads are small: prompts,
 # sampling settings, samples. Weights never go this way.
 
-def isend_obj(obj, dst: int) -> list:
-    """Non-blocking send; keep the returned handles (they hold the buffers) and `wait_all` later."""
+def isend_obj(obj, dst: int, group=None) -> list:
+    """Non-blocking send; keep the returned handles (they hold the buffers) and `wait_all`
+    them once the peer has surely received (gloo's sends report completion only in wait)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
-    return [(dist.isend(size, dst), size), (dist.isend(data, dst), data)]
+    return [(dist.isend(size, dst, group=group), size), (dist.isend(data, dst, group=group), data)]
 
 
-def recv_obj(src: int):
+def recv_obj(src: int, group=None):
     size = torch.empty(1, dtype=torch.long)
-    dist.recv(size, src)
+    dist.recv(size, src, group=group)
     data = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(data, src)
+    dist.recv(data, src, group=group)
     return pickle.loads(data.numpy().tobytes())
 
 
@@ -191,11 +192,6 @@ def wait_all(handles: list) -> list:
     for work, _ in handles:
         work.wait()
     return []
-
-
-def reap(handles: list) -> list:
-    """Drop the handles of sends that have completed."""
-    return [(w, t) for w, t in handles if not w.is_completed()]
 
 
 def reduce(values: dict, op=dist.ReduceOp.SUM, group=None) -> dict[str, float]:

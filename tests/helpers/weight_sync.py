@@ -31,13 +31,13 @@ class Recorder(Engine):
 
 if plan.role == "rollout":
     engine = Recorder()
-    serve(engine, plan.trainers, plan.sync_group, device)
+    serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
     for i, weights in enumerate(engine.got):
         save_file(weights, os.path.join(out, f"rank{rank}_sync{i}.safetensors"))
 else:
     actor = Actor(model_dir, plan.mesh, device, lr=1e-3, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)
     for i, size in enumerate(sizes):
-        engine = RemoteEngine(plan.peer, actor.weight_specs(), size, plan.sync_group, rank == 0, device)
+        engine = RemoteEngine(plan.peer, actor.weight_specs(), size, plan.sync_group, plan.requests, rank == 0, device)
         placement.sync(actor, engine, version=i)
         full = {name: t.clone() for name, t in actor.full_weights()}
         if rank == 0:
