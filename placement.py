@@ -117,7 +117,10 @@ def sync(actor, engine, version: int) -> dict:
             yield item
 
     engine.version = version
-    engine.load_weights(counted())
+    weights = counted()
+    engine.load_weights(weights)
+    for _ in weights:  # a consumer that stops at the last tensor would leave its FSDP block unsharded
+        pass
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
     return {"sync_s": time.perf_counter() - t, "sync_gather_s": gather_s, "sync_bytes": nbytes}

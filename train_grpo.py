@@ -140,7 +140,7 @@ class Args:
 
 def export_hf(actor, path, rank, tokenizer_dir):
     """Every rank joins the per-tensor gathers; rank 0 writes a HF checkpoint."""
-    weights = [(name, t.cpu()) for name, t in actor.full_weights()]
+    weights = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
     if rank == 0:
         save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
 

@@ -80,7 +80,7 @@ else:
         for _ in actor.full_weights():
             pass
         gather.append(time.perf_counter() - t)
-    full = list(actor.full_weights())  # gathered once for the broadcast-only timings
+    full = [(n, t.clone()) for n, t in actor.full_weights()]  # gathered once for the broadcast-only timings
     if rank == 0:
         dist.wait_all(dist.isend_obj(specs, plan.trainers[0] if plan.trainers else world - 1))
         flat, bufs = torch.empty(total // 4, dtype=torch.float32), {}

@@ -12,19 +12,22 @@ class Actor:
                  max_grad_norm: float, param_dtype=torch.float32):
         self.model = load_sharded(path, mesh, device, param_dtype)
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
+        self.param_dtype = param_dtype
         self.config = self.model.config
         self.max_grad_norm = max_grad_norm
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # linear warm-up to lr over warmup_steps optimizer steps, then constant
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
 
-    def full_weights(self):
-        """(hf_name, full tensor) for the engine, one all-gathered tensor at a time."""
-        return full_tensors(self.model)
+    def full_weights(self, exact: bool = False):
+        """(hf_name, full tensor) for the engine, gathered one FSDP2 block at a time in the
+        training param dtype, each valid until the next is asked for (copy it); exact=True:
+        tensor by tensor in the fp32 master dtype, tensors of their own (exports)."""
+        return full_tensors(self.model, exact)
 
     def weight_specs(self):
         """(hf_name, full shape, dtype) in `full_weights` order: what a remote engine must expect."""
-        return weight_specs(self.model)
+        return weight_specs(self.model, self.param_dtype)
 
     def train_step(self, batch, *, temperature, clip_low, clip_high, kl_coef, kl_estimator, loss_agg, norm,
                    micro_batch_size):

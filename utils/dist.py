@@ -68,18 +68,40 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32):
     return model
 
 
-def full_tensors(model):
-    """(hf_name, full tensor) one parameter at a time: each DTensor shard is all-gathered
-    when it is reached, so the extra memory is one tensor, not the model. Every rank of
-    the mesh must iterate in step (the gathers are collectives)."""
-    for name, p in model.named_parameters():
-        t = p.detach()
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+def _units(model):
+    """FSDP2's units in gather order: the root's own parameters (embeddings, final norm, head),
+    then each decoder block. Yields (module, hf-name prefix, which of its names are its own)."""
+    yield model, "", lambda name: not name.startswith("model.layers.")
+    for i, block in enumerate(model.model.layers):
+        yield block, f"model.layers.{i}.", lambda name: True
 
 
-def weight_specs(model) -> list[tuple[str, tuple, torch.dtype]]:
-    """(hf_name, full shape, dtype) of every parameter, in `full_tensors` order."""
-    return [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
+def full_tensors(model, exact: bool = False):
+    """(hf_name, full tensor), one FSDP2 unit at a time through FSDP's own unshard: one
+    all-gather per decoder block (not one per tensor: 5x faster on the tiny model), in the
+    training param dtype (bf16 under a bf16 MixedPrecisionPolicy), so the extra memory is one
+    block. A tensor is valid only until the next one is asked for (the block's memory is then
+    freed): copy it, as the engines do. exact=True gathers tensor by tensor in the stored
+    (fp32 master) dtype instead, into tensors of their own, for exports. Every rank of the
+    mesh must iterate in step (the gathers are collectives)."""
+    for module, prefix, own in _units(model):
+        if exact or not hasattr(module, "unshard"):
+            for name, p in module.named_parameters():
+                t = p.detach()
+                if own(name):
+                    yield prefix + name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+            continue
+        module.unshard()  # registers the unsharded parameters until reshard
+        for name, p in module.named_parameters():
+            if own(name):
+                yield prefix + name, p.detach()
+        module.reshard()
+
+
+def weight_specs(model, param_dtype=None) -> list[tuple[str, tuple, torch.dtype]]:
+    """(hf_name, full shape, dtype) of every parameter, in `full_tensors` order and dtype."""
+    return [(prefix + name, tuple(p.shape), param_dtype if param_dtype and p.is_floating_point() else p.dtype)
+            for module, prefix, own in _units(model) for name, p in module.named_parameters() if own(name)]
 
 
 # ---- weight sync in buckets (disaggregate) ----
@@ -139,6 +161,8 @@ def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict) -> 
         nbytes += numel * dtype.itemsize
     if in_flight is not None:
         in_flight.wait()
+    if next(weights, None) is not None:  # (also lets the stream finish: FSDP reshards its last block)
+        raise RuntimeError("the weight stream has more tensors than the bucket plan")
     return nbytes
 
 

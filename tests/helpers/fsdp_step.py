@@ -19,9 +19,10 @@ plan = placement.plan("colocate", rank, world, device, prompts_per_step=world)
 actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0)
 
 # the gathered weights equal the checkpoint's, exactly
-full = dict(actor.full_weights())
+full = {k: v.clone() for k, v in actor.full_weights()}  # each is valid until the next: copy
 ref = load_model(model_dir).state_dict()
 ok = all(torch.equal(full[k], ref[k]) for k in full) and set(full) | {"lm_head.weight"} >= set(ref)
+ok = ok and all(torch.equal(t, ref[k]) for k, t in actor.full_weights(exact=True))  # the export path too
 
 g = torch.Generator().manual_seed(0)
 N, T = 8, 5
@@ -38,7 +39,7 @@ batch["adv"] = adv
 mine = {k: (v[rows[0]:rows[-1] + 1] if torch.is_tensor(v) else v) for k, v in batch.items()}
 actor.train_step(mine, temperature=0.9, clip_low=0.2, clip_high=0.2, kl_coef=0.0,
                  kl_estimator="k3", loss_agg=loss_agg, norm=norm, micro_batch_size=micro)
-after = {k: v.contiguous() for k, v in actor.full_weights()}
+after = {k: v.clone() for k, v in actor.full_weights()}
 if rank == 0:
     save_file(after, out)
     with open(out + ".gather_ok", "w") as f:
