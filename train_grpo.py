@@ -181,8 +181,7 @@ if __name__ == "__main__":
                              param_dtype, max_len, args.seed)  # vLLM is refused above in this mode
         serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
         engine.close()
-        dist.close()
-        raise SystemExit(0)
+        dist.exit_now(0)
     dp, group = plan.dp, plan.group  # the trainer ranks (all ranks in colocate)
 
     # data: every rank tokenises the same rows and later takes its own slice of each step
@@ -374,4 +373,4 @@ if __name__ == "__main__":
     if rank == 0:
         log.close()
     engine.close()  # before the process group: vLLM built its own groups on it
-    dist.close()
+    dist.exit_now(0)
