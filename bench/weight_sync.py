@@ -101,7 +101,7 @@ else:
         gb = total / 1e9
         print(f"\n{cfg.num_params() / 1e6:.1f}M params, {total / 2**20:.0f} MiB fp32; 2 trainers (FSDP2) + 1 rollout "
               f"rank, CPU, gloo; median of {a.reps}")
-        print(f"gather from FSDP2 shards (no bucketing): {med(gather):.3f} s")
+        print(f"gather from FSDP2 shards (one block at a time, FSDP unshard): {med(gather):.3f} s")
         print(f"raw dist.broadcast of {total / 2**20:.0f} MiB in one call: {raw:.3f} s = {gb / raw:.2f} GB/s\n")
         print(f"| {'bucket MiB':>10} | {'buckets':>7} | {'bcast s':>7} | {'bcast+load s':>12} | {'GB/s':>5} | "
               f"{'vs raw':>6} | {'sync s (run)':>12} |")
@@ -113,6 +113,6 @@ else:
         print("\nbcast: broadcast of pre-gathered weights, received but not loaded; bcast+load: received and "
               "loaded into the native engine as each bucket lands; vs raw: the raw broadcast's rate over "
               "bcast+load's; sync s (run): placement.sync as train_grpo.py runs it (gather, broadcast and load "
-              "pipelined tensor by tensor)")
+              "pipelined)")
         shutil.rmtree(holder[0], ignore_errors=True)
 dist.close()
