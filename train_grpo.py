@@ -230,7 +230,8 @@ if __name__ == "__main__":
     log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start) if rank == 0 else None
     if rank == 0:
         print(f"{world} rank(s), {args.placement} ({dp} trainer(s)), {type(engine).__name__}; model {args.model} "
-              f"({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
+              f"({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts ({skipped} over "
+              f"--max-prompt-tokens skipped), {len(eval_rows)} eval",
               flush=True)
 
     per_rank = args.prompts_per_step // dp

@@ -159,3 +159,31 @@ def test_vllm_with_disaggregate_is_refused_with_the_alternatives():
     p = subprocess.run([sys.executable, "train_grpo.py", "--placement", "disaggregate", "--engine", "vllm"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "use --engine native" in p.stderr
+
+
+def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path):
+    """Preemption: every worker gets SIGTERM. The rollout rank keeps serving, the trainers save
+    their checkpoint at the step they stopped, collect the requests sent ahead and tell the
+    rollout rank to stop: the job ends cleanly."""
+    from test_checkpoint import workers
+
+    from utils import checkpoint
+
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "train_grpo.py",
+           *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", "1", "--save-every", "0",
+           "--run-dir", run]
+    log = open(tmp_path / "run.log", "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
+            assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
+            time.sleep(0.05)
+        for pid in workers(p.pid).values():
+            os.kill(pid, signal.SIGTERM)
+        assert p.wait(timeout=90) == 0, open(tmp_path / "run.log").read()[-3000:]
+    finally:
+        p.kill()
+    path, _ = checkpoint.find(run)
+    assert path is not None and int(os.path.basename(path).split("_")[1]) == len(metrics(run)) < 200
