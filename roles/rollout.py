@@ -356,7 +356,10 @@ class RemoteEngine:
                             f"output above). The trainers stop here; the last checkpoint is intact. ({e})")
 
     def _send(self, msg, ticket=None):
-        self.sent.append((ticket, dist.isend_obj(msg, self.peer, self.requests)))
+        try:
+            self.sent.append((ticket, dist.isend_obj(msg, self.peer, self.requests)))
+        except RuntimeError as e:
+            raise self._fail(e, f"taking a {msg['op']!r} message") from e
 
     def load_weights(self, weights):
         self.collect()
