@@ -3,14 +3,14 @@ the trainers and the engines.
 
 colocate (G-Core's full colocation): every rank is a trainer and a rollout engine at once,
 taking turns on the same device. Before generation each rank all-gathers the actor's FSDP2
-shards tensor by tensor straight into its own engine; after generation the engine drops its
+shards block by block straight into its own engine; after generation the engine drops its
 weights and cache so that training gets the memory back.
 
 disaggregate: ranks 0..N-K-1 train (FSDP2 over their own mesh), ranks N-K..N-1 only
 generate, at the same time. Trainer i is paired with rollout rank N-K + i % K and talks to
 it point to point (its prompts out, its samples back); after each optimizer step the
-trainers gather the full weights bucket by bucket and trainer 0 broadcasts each bucket to
-the rollout ranks over their own group (NCCL on GPU, gloo on CPU).
+trainers gather the full weights block by block and trainer 0 broadcasts them in buckets
+of bounded bytes to the rollout ranks over their own group (NCCL on GPU, gloo on CPU).
 """
 import datetime
 import time
@@ -119,7 +119,9 @@ def sync(actor, engine, version: int) -> dict:
     engine.version = version
     weights = counted()
     engine.load_weights(weights)
-    for _ in weights:  # a consumer that stops at the last tensor would leave its FSDP block unsharded
+    # the gathers are collectives: finish them whatever the engine consumed (a remote engine on
+    # trainers > 0 takes none; one that stops at the last tensor would leave its block unsharded)
+    for _ in weights:
         pass
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole

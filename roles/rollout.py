@@ -337,8 +337,8 @@ class RemoteEngine:
     a trainer can submit step k+1 and train step k while the rollout rank generates.
     `load_weights` first collects every reply still due (the rollout rank serves in order:
     it takes new weights only after those), tells the rollout rank a new version is coming,
-    and trainer 0 broadcasts the weights bucket by bucket (every trainer joins the FSDP
-    gathers that produce them). Requests travel on `requests`, a group whose timeout is long
+    and trainer 0 broadcasts the weights in buckets (every trainer joins the FSDP gathers
+    that produce them). Requests travel on `requests`, a group whose timeout is long
     because the rollout rank waits there through whole training steps; a rank that dies
     still fails its peers at once (its connections close)."""
 
@@ -365,9 +365,7 @@ class RemoteEngine:
         self.collect()
         self._send({"op": "weights", "version": self.version, "specs": self.specs, "bucket_bytes": self.bucket_bytes})
         if not self.is_src:
-            for _ in weights:  # the gathers are collectives over the trainers: join them
-                pass
-            return
+            return  # only trainer 0 sends; placement.sync still runs this rank's share of the gathers
         try:
             dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device, self.bufs)
         except RuntimeError as e:

@@ -150,11 +150,11 @@ def _buffers(bufs: dict, buckets, device) -> dict:
     return bufs
 
 
-def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict) -> int:
+def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
     """Sender side: copy the (name, tensor) stream, in plan order, into a bucket buffer and
     broadcast it; the next bucket is filled while the previous one is on the wire (two
-    buffers). Extra memory: two buckets plus the tensor being copied. Returns the bytes sent."""
-    weights, bufs, nbytes = iter(weights), _buffers(bufs, buckets, device), 0
+    buffers). Extra memory: two buckets plus the tensor being copied."""
+    weights, bufs = iter(weights), _buffers(bufs, buckets, device)
     flat, in_flight = None, None
     for i, (dtype, numel, pieces) in enumerate(buckets):
         buf, off = bufs[dtype][i % 2][:numel], 0
@@ -170,12 +170,10 @@ def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict) -> 
         if in_flight is not None:
             in_flight.wait()  # the buffer it used is filled again only after this
         in_flight = work
-        nbytes += numel * dtype.itemsize
     if in_flight is not None:
         in_flight.wait()
-    if next(weights, None) is not None:  # (also lets the stream finish: FSDP reshards its last block)
+    if next(weights, None) is not None:
         raise RuntimeError("the weight stream has more tensors than the bucket plan")
-    return nbytes
 
 
 def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
