@@ -64,9 +64,10 @@ def _mix32(x):
     return (x >> 16) ^ x
 
 
-def uniforms(row_keys, t: int):
-    """One uniform in (0, 1) per row for decode position t: row_keys [N] int64 -> [N] fp64."""
-    h = _mix32(_mix32(row_keys) ^ _mix32(torch.full_like(row_keys, t + 0x9E3779B9 & M32)))
+def uniforms(row_keys, t):
+    """One uniform in (0, 1) per row and decode position: row_keys int64 and positions t (an int
+    or an int64 tensor) broadcast together, e.g. [N] and 3 -> [N], or [N, 1] and [1, T] -> [N, T] fp64."""
+    h = _mix32(_mix32(row_keys) ^ _mix32(torch.as_tensor(t + 0x9E3779B9 & M32, device=row_keys.device)))
     return (h.double() + 0.5) / 2.0 ** 32
 
 
@@ -116,9 +117,7 @@ class FusedDecoder:
         c = self.cfg
         B, S = tokens.shape
         H, KV, D, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
-        freqs = positions[..., None].float() * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), -1)[:, :, None]  # [B, S, 1, D]
-        cos, sin = emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)
+        cos, sin = self.rope(positions)  # [B, S, 1, D]
         bias = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         h = F.embedding(tokens, self.embed)  # [B, S, h]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.layers):
@@ -133,6 +132,38 @@ class FusedDecoder:
             h = h + F.linear(F.silu(gate) * up, wd)
         cache.pos += S
         return F.linear(self.norm(h[:, -1]), self.lm_head).float()  # [B, V]
+
+    def rope(self, positions):
+        """positions [...] -> cos, sin [..., 1, D] in the weights' dtype."""
+        freqs = positions[..., None].float() * self.inv_freq  # [..., D/2]
+        emb = torch.cat((freqs, freqs), -1)[..., None, :]  # [..., 1, D]
+        return emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)
+
+    def decode(self, tokens, positions, bias, cache: KVCache):
+        """One new token per row, the hot loop of generation: tokens, positions [B]; bias [B, 1, L]
+        additive (0 or -inf) over the cache's first L = cache.pos + 1 slots. Returns logits [B, V].
+        Same math as `__call__` with fewer ops: grouped-query attention as two batched matmuls
+        over [B*KV] (no K/V repeat, no SDPA dispatch) and residual adds folded into addmm."""
+        c = self.cfg
+        B, L = tokens.shape[0], cache.pos + 1
+        H, KV, D, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+        G = H // KV
+        cos, sin = self.rope(positions)  # [B, 1, D]
+        bias = bias.expand(B, KV, L).reshape(B * KV, 1, L)  # [B*KV, 1, L]
+        h = F.embedding(tokens, self.embed)  # [B, h]
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.layers):
+            qkv = F.linear(ln1(h), wqkv, bqkv).view(B, H + 2 * KV, D)  # [B, H+2KV, D]
+            qk = qkv[:, :H + KV]
+            qk = torch.addcmul(qk * cos, torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1), sin)  # RoPE
+            k, v = cache.update(i, qk[:, H:, None], qkv[:, H + KV:, None])  # [B, KV, L, D]
+            s = torch.baddbmm(bias, qk[:, :H].reshape(B * KV, G, D), k.reshape(B * KV, L, D).transpose(1, 2),
+                              alpha=D ** -0.5)  # [B*KV, G, L]
+            o = torch.bmm(s.softmax(-1), v.reshape(B * KV, L, D)).view(B, H * D)  # [B, H*D]
+            h = torch.addmm(h, o, wo.t()) if bo is None else h + F.linear(o, wo, bo)
+            gu = F.linear(ln2(h), wgu)  # [B, 2I]
+            h = torch.addmm(h, F.silu(gu[:, :I]) * gu[:, I:], wd.t())
+        cache.pos += 1
+        return F.linear(self.norm(h), self.lm_head).float()  # [B, V]
 
 
 class Engine:
@@ -189,47 +220,48 @@ class NativeEngine(Engine):
         N = B0 * n
         # left-pad the prompts so every row's next token goes in the same column
         tokens = torch.full((B0, P), self.tok.pad_id, dtype=torch.long)
-        valid = torch.zeros(B0, P + T, dtype=torch.bool)
+        valid = torch.zeros(B0, P, dtype=torch.bool)
         for i, p in enumerate(prompts):
             tokens[i, P - len(p):] = torch.tensor(p)
             valid[i, P - len(p):] = True
         tokens, valid = tokens.to(dev), valid.to(dev)
         # prefill once per prompt, then copy its cache to the n samples
         cache = KVCache(self.cfg, B0, P + T, dev, self.dtype)
-        pos = positions_from(valid[:, :P])  # [B0, P]
-        logits = self.decoder(tokens, pos, attention_mask(valid[:, :P]), cache)  # [B0, V]
+        pos = positions_from(valid)  # [B0, P]
+        logits = self.decoder(tokens, pos, attention_mask(valid), cache)  # [B0, V]
         if n > 1:
             cache.k, cache.v = cache.k.repeat_interleave(n, 1), cache.v.repeat_interleave(n, 1)
             logits, valid, pos = logits.repeat_interleave(n, 0), valid.repeat_interleave(n, 0), pos.repeat_interleave(n, 0)
         next_pos = pos[:, -1] + 1  # [N]
         keys = torch.tensor([s * 7919 + j for s in seeds for j in range(n)], dtype=torch.long, device=dev)  # [N]
-        keys = _mix32(keys & M32)
+        u = uniforms(_mix32(keys & M32)[:, None], torch.arange(T, device=dev)[None])  # [N, T]
+        bias = torch.zeros(N, 1, P + T, dtype=self.dtype, device=dev)  # [N, 1, P+T] additive attention mask
+        bias[:, 0, :P].masked_fill_(~valid, float("-inf"))  # left padding
         out_tok = torch.zeros(N, T, dtype=torch.long, device=dev)
         out_lp = torch.zeros(N, T, dtype=torch.float32, device=dev)
         done = torch.zeros(N, dtype=torch.bool, device=dev)
         lengths = torch.full((N,), T, dtype=torch.long, device=dev)
-        stopped = torch.zeros(N, dtype=torch.bool, device=dev)
         for t in range(T):
-            tok, lp = sample_tokens(logits, params, uniforms(keys, t))
+            tok, lp = sample_tokens(logits, params, u[:, t])
             out_tok[:, t], out_lp[:, t] = tok, lp
             finished = ~done & torch.isin(tok, self.eos)
             if params.stop:
                 finished |= self._hit_stop(out_tok[:, :t + 1], done | finished, params.stop)
-            lengths = torch.where(finished, t + 1, lengths)
-            stopped |= finished
+            lengths.masked_fill_(finished, t + 1)
             done |= finished
-            if bool(done.all()) or t == T - 1:
+            if t == T - 1 or bool(done.all()):
                 break
-            valid[:, P + t] = ~done  # rows that are done still run (masked) to keep the batch whole
-            logits = self.decoder(tok[:, None], next_pos[:, None], valid[:, None, None, :P + t + 1], cache)
-            next_pos = next_pos + 1
+            # rows that are done still run (their new slot masked) to keep the batch whole
+            bias[:, 0, P + t].masked_fill_(done, float("-inf"))
+            logits = self.decoder.decode(tok, next_pos, bias[:, :, :P + t + 1], cache)
+            next_pos += 1
         Tmax = int(lengths.max())
         keep = torch.arange(Tmax, device=dev)[None] < lengths[:, None]  # [N, Tmax]
         out_tok, out_lp = out_tok[:, :Tmax] * keep, out_lp[:, :Tmax] * keep
         texts = self.tok.decode_batch([row[:l] for row, l in zip(out_tok.tolist(), lengths.tolist())])
         if params.stop:
             texts = [_cut(t, params.stop) for t in texts]
-        reasons = ["stop" if s else "length" for s in stopped.tolist()]
+        reasons = ["stop" if f else "length" for f in done.tolist()]
         return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts, self.version)
 
     def _hit_stop(self, so_far, skip, stop):
