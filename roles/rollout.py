@@ -139,31 +139,80 @@ class FusedDecoder:
         emb = torch.cat((freqs, freqs), -1)[..., None, :]  # [..., 1, D]
         return emb.cos().to(self.embed.dtype), emb.sin().to(self.embed.dtype)
 
+    def prepare(self, rows: int):
+        """Build the decode step's weights; call after every weight load. On CPU in fp32 they are
+        oneDNN-packed copies for `rows`-row matmuls, each RMSNorm weight folded into the matmul
+        after it, gate and up apart (oneDNN fuses silu and the product into the GEMMs): one more
+        copy of the weights, for 10-25% faster decode than MKL's sgemm at 64 rows on the
+        2-core CI machines. Elsewhere they are the model's own tensors."""
+        pack = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+                and torch.backends.mkldnn.is_available())
+        self.step_layers = []
+        if not pack:
+            self.step_layers = list(self.layers)
+            self.step_head = (self.norm, self.lm_head)
+            return
+        I = self.cfg.intermediate_size
+
+        def packed(w, norm=None):
+            return torch.ops.mkldnn._reorder_linear_weight(w if norm is None else w * norm.weight, rows)
+
+        for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd in self.layers:
+            self.step_layers.append((None, packed(wqkv, ln1), bqkv, packed(wo), bo, None,
+                                     (packed(wgu[:I], ln2), packed(wgu[I:], ln2)), packed(wd)))
+        self.step_head = (None, packed(self.lm_head, self.norm))
+
     def decode(self, tokens, positions, bias, cache: KVCache):
         """One new token per row, the hot loop of generation: tokens, positions [B]; bias [B, 1, L]
         additive (0 or -inf) over the cache's first L = cache.pos + 1 slots. Returns logits [B, V].
         Same math as `__call__` with fewer ops: grouped-query attention as two batched matmuls
-        over [B*KV] (no K/V repeat, no SDPA dispatch) and residual adds folded into addmm."""
+        over [B*KV] (no K/V repeat, no SDPA dispatch) and residual adds fused into the matmuls.
+        Uses the weights of the last `prepare`."""
         c = self.cfg
         B, L = tokens.shape[0], cache.pos + 1
-        H, KV, D, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+        H, KV, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         G = H // KV
         cos, sin = self.rope(positions)  # [B, 1, D]
         bias = bias.expand(B, KV, L).reshape(B * KV, 1, L)  # [B*KV, 1, L]
         h = F.embedding(tokens, self.embed)  # [B, h]
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.layers):
-            qkv = F.linear(ln1(h), wqkv, bqkv).view(B, H + 2 * KV, D)  # [B, H+2KV, D]
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.step_layers):
+            qkv = _linear(_rms(h, ln1, eps), wqkv, bqkv).view(B, H + 2 * KV, D)  # [B, H+2KV, D]
             qk = qkv[:, :H + KV]
             qk = torch.addcmul(qk * cos, torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1), sin)  # RoPE
             k, v = cache.update(i, qk[:, H:, None], qkv[:, H + KV:, None])  # [B, KV, L, D]
             s = torch.baddbmm(bias, qk[:, :H].reshape(B * KV, G, D), k.reshape(B * KV, L, D).transpose(1, 2),
                               alpha=D ** -0.5)  # [B*KV, G, L]
             o = torch.bmm(s.softmax(-1), v.reshape(B * KV, L, D)).view(B, H * D)  # [B, H*D]
-            h = torch.addmm(h, o, wo.t()) if bo is None else h + F.linear(o, wo, bo)
-            gu = F.linear(ln2(h), wgu)  # [B, 2I]
-            h = torch.addmm(h, F.silu(gu[:, :I]) * gu[:, I:], wd.t())
+            h = _linear(o, wo, bo, add=h)
+            h = _linear(_swiglu(_rms(h, ln2, eps), wgu), wd, add=h)
         cache.pos += 1
-        return F.linear(self.norm(h), self.lm_head).float()  # [B, V]
+        norm, head = self.step_head
+        return _linear(_rms(h, norm, eps), head).float()  # [B, V]
+
+
+def _rms(x, norm, eps: float):
+    """RMSNorm; `norm` is None where its weight was folded into the next matmul's."""
+    return norm(x) if norm is not None else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _linear(x, w, b=None, add=None):
+    """x @ w.T + b (+ add), for a plain or a oneDNN-packed w (where the add is fused into the GEMM)."""
+    if w.is_mkldnn:
+        if add is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, add, w, b, "add")
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+    if add is None:
+        return F.linear(x, w, b)
+    return torch.addmm(add, x, w.t()) if b is None else add + F.linear(x, w, b)
+
+
+def _swiglu(x, wgu):
+    """silu(x @ gate.T) * (x @ up.T): wgu is the fused [2I, h] tensor or a packed (gate, up) pair."""
+    if isinstance(wgu, tuple):
+        gate = torch.ops.mkldnn._linear_pointwise(x, wgu[0], None, "swish", [None], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, wgu[1], None, "mul")
+    gate, up = F.linear(x, wgu).chunk(2, -1)
+    return F.silu(gate) * up
 
 
 class Engine:
@@ -195,6 +244,7 @@ class NativeEngine(Engine):
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
         self.model = self.decoder = None
+        self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
         self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
 
     def load_weights(self, weights):
@@ -203,6 +253,7 @@ class NativeEngine(Engine):
             self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
             self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
         load_state(self.model, weights)
+        self.needs_prepare = True
 
     def release(self):
         """Drop weights (the KV cache lives only inside generate)."""
@@ -225,6 +276,9 @@ class NativeEngine(Engine):
             tokens[i, P - len(p):] = torch.tensor(p)
             valid[i, P - len(p):] = True
         tokens, valid = tokens.to(dev), valid.to(dev)
+        if self.needs_prepare:
+            self.decoder.prepare(rows=N)
+            self.needs_prepare = False
         # prefill once per prompt, then copy its cache to the n samples
         cache = KVCache(self.cfg, B0, P + T, dev, self.dtype)
         pos = positions_from(valid)  # [B0, P]

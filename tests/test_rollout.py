@@ -20,9 +20,19 @@ def prompts(tok, k=6):
     return ps
 
 
-def test_greedy_equals_transformers_generate(tiny_hf):
+@pytest.fixture(params=["onednn", "plain"])
+def decode_weights(request, monkeypatch):
+    """Both decode paths: oneDNN-packed weights (CPU fp32) and the model's own (GPU, bf16)."""
+    if request.param == "plain":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    return request.param
+
+
+def test_greedy_equals_transformers_generate(tiny_hf, decode_weights):
     path, ref = tiny_hf
     eng = engine_for(path)
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=2), [0])  # prepares the decode weights
+    assert eng.decoder.step_head[1].is_mkldnn == (decode_weights == "onednn")
     ps = prompts(eng.tok)
     out = eng.generate(ps, SamplingParams(temperature=0, max_new_tokens=24), seeds=list(range(len(ps))))
     eos = min(eng.tok.eos_ids)
@@ -34,7 +44,7 @@ def test_greedy_equals_transformers_generate(tiny_hf):
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
-def test_sampled_logprobs_equal_full_forward(tiny_hf, temperature, top_p, top_k):
+def test_sampled_logprobs_equal_full_forward(tiny_hf, temperature, top_p, top_k, decode_weights):
     path, ref = tiny_hf
     eng = engine_for(path)
     ps = prompts(eng.tok, 3)
