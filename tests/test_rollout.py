@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from roles.rollout import NativeEngine, SamplingParams, sample_tokens, uniforms
+from roles.rollout import NativeEngine, SamplingParams
+from utils.decode import sample_tokens, uniforms
 from utils.data import Tokenizer, arith_rows
 from utils.model import iter_checkpoint, read_config
 
