@@ -170,6 +170,10 @@ if __name__ == "__main__":
         raise SystemExit("--engine vllm does not run with --placement disaggregate yet: an in-process vLLM builds "
                          "its process groups over the whole torchrun world, and the trainer ranks would have to "
                          "join them; use --engine native (auto picks it here) or --placement colocate")
+    try:  # a wrong --model stops every rank here, before any process group, with what to change
+        read_config(args.model), Tokenizer(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--model: {e}") from None
     rank, world, device = dist.init(args.timeout_s)
     plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
                           args.max_staleness, args.timeout_s)

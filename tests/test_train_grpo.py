@@ -55,6 +55,22 @@ def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):
     assert "use a multiple such as [2, 4, 6]" in p.stderr
 
 
+@pytest.mark.parametrize("what", ["missing", "no_tokenizer"])
+def test_a_wrong_model_dir_says_what_is_wrong(tmp_path, what):
+    import shutil
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    if what == "no_tokenizer":
+        shutil.copytree("assets/arith-tiny", model, ignore=shutil.ignore_patterns("tokenizer.json"))
+    p = subprocess.run([sys.executable, "train_grpo.py", "--model", str(model), "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    want = "does not exist" if what == "missing" else "has no tokenizer.json"
+    assert p.stderr.strip().splitlines()[-1].startswith("--model: ") and want in p.stderr, p.stderr
+
+
 def test_nan_gradients_are_skipped_counted_then_stop_the_run(tmp_path):
     """--lr 1e30 blows the weights up to inf in the first step; the next steps' gradients are NaN:
     they are skipped and counted, and past --max-skipped-steps the run stops with a message."""
