@@ -345,7 +345,8 @@ if __name__ == "__main__":
                 "train/pg_loss": total["pg_loss"] / T, "train/kl": total["kl"] / T,
                 "train/clip_frac": total["clipped_tokens"] / T, "train/grad_norm": peak["grad_norm"],
                 "train/lr": actor.sched.get_last_lr()[0], "train/skipped_steps": skipped_steps,
-                "train/logprob_gap_mean": total["gap_sum"] / T, "train/logprob_gap_max": peak["gap_max"],
+                "train/logprob_gap_mean": total["gap_sum"] / total["tokens"], "train/logprob_gap_max": peak["gap_max"],
+                "train/rows_trained": total["rows"] / N,  # the rest had advantage 0 (and no KL term): skipped
                 "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
                 "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
                 "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],

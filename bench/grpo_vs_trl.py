@@ -6,7 +6,11 @@
 ../shared/bench/trl_grpo_cpu.py builds the checkpoint (a random 2.6M-param Qwen2) and times
 TRL; we run train_grpo.py on that directory with a dataset of the same kind of prompts,
 8 prompts x 8 samples x 64 new tokens, ref model off (TRL's default beta is 0). The two
-alternate (rounds), and each reports the median step time after its first step. The
+alternate (rounds), and each reports the median step time after its first step.
+A random model never answers right, so every group's accuracy rewards are all equal and
+their advantages 0: TRL trains on those rows anyway, our actor skips them. For the same work
+on both sides, our headline run scores with `bench.common:parity_reward` (mixed groups: every
+row trained); a third row shows the accuracy reward, where our training is skipped. The
 step's model FLOPs: generation 2*N per token (plus attention), training 6*N per token of
 prompt+completion (forward + backward); N counts every matmul weight (lm_head included).
 """
@@ -54,18 +58,22 @@ def trl():
     return res["s_per_step_median"], rss, res["model_dir"]
 
 
-def ours(model_dir, data):
+def ours(model_dir, data, reward):
     run_dir = os.path.join(args.workdir + "-ours", "run")
     out, rss = run([sys.executable, "train_grpo.py", "--model", model_dir, "--dataset", data, "--eval-every", "0",
                     "--steps", str(args.steps), "--prompts-per-step", str(P), "--num-generations", str(G),
-                    "--max-new-tokens", str(T), "--run-dir", run_dir, "--no-save-final", "--lr", "1e-5"])
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][:args.steps]
-    lens = [r["rollout/response_len"] for r in rows[1:]]
-    return statistics.median(r["perf/step_s"] for r in rows[1:]), rss, statistics.mean(lens)
+                    "--max-new-tokens", str(T), "--run-dir", run_dir, "--no-save-final", "--lr", "1e-5",
+                    "--rewards", reward])
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:args.steps]
+    trained = statistics.mean(r["train/rows_trained"] for r in rows)
+    mean_len = statistics.mean(r["rollout/response_len"] for r in rows)
+    return statistics.median(r["perf/step_s"] for r in rows), rss, mean_len, trained
 
 
-results = {"TRL GRPOTrainer": [], "ours (train_grpo.py)": []}
+SAME, SKIP = "ours (train_grpo.py)", "ours, accuracy reward"
+results = {"TRL GRPOTrainer": [], SAME: [], SKIP: []}
 rss = {k: 0.0 for k in results}
+trained = {"TRL GRPOTrainer": 1.0}
 model_dir = data = None
 for r in range(args.rounds):
     s, m, model_dir = trl()
@@ -79,9 +87,10 @@ for r in range(args.rounds):
             for _ in range(512):
                 a, b = rng.randint(0, 99), rng.randint(0, 99)
                 f.write(json.dumps({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)}) + "\n")
-    s, m, mean_len = ours(model_dir, data)
-    results["ours (train_grpo.py)"].append(s)
-    rss["ours (train_grpo.py)"] = max(rss["ours (train_grpo.py)"], m)
+    for name, reward in ((SAME, "bench.common:parity_reward"), (SKIP, "accuracy")):
+        s, m, mean_len, trained[name] = ours(model_dir, data, reward)
+        results[name].append(s)
+        rss[name] = max(rss[name], m)
 
 cfg = read_config(model_dir)
 prompt_len = 12  # "What is 12 + 34? Answer:" in the bench tokenizer: measured range 11-13 tokens
@@ -91,10 +100,11 @@ roof = matmul_gflops()
 print(f"\n{P} prompts x {G} samples x {T} new tokens; {cfg.num_params() / 1e6:.2f}M params; "
       f"step FLOPs {(gen + train) / 1e9:.0f} G (generate {gen / 1e9:.0f} + train {train / 1e9:.0f}); "
       f"fp32 matmul roof {roof:.0f} GFLOP/s; our mean completion length {mean_len:.1f}\n")
-print(f"| {'trainer':<22} | {'s/step (median)':>15} | {'peak RSS MiB':>12} | {'MFU':>6} |")
-print(f"|{'-' * 24}|{'-' * 17}|{'-' * 14}|{'-' * 8}|")
+print(f"| {'trainer':<22} | {'s/step (median)':>15} | {'peak RSS MiB':>12} | {'MFU':>6} | {'rows trained':>12} |")
+print(f"|{'-' * 24}|{'-' * 17}|{'-' * 14}|{'-' * 8}|{'-' * 14}|")
 for k, v in results.items():
     s = statistics.median(v)
-    print(f"| {k:<22} | {s:15.3f} | {rss[k]:12.0f} | {(gen + train) / s / 1e9 / roof:6.1%} |")
-ratio = statistics.median(results["ours (train_grpo.py)"]) / statistics.median(results["TRL GRPOTrainer"])
+    mfu = f"{(gen + train) / s / 1e9 / roof:6.1%}" if k != SKIP else f"{'-':>6}"  # it skipped the training
+    print(f"| {k:<22} | {s:15.3f} | {rss[k]:12.0f} | {mfu} | {trained[k]:12.0%} |")
+ratio = statistics.median(results[SAME]) / statistics.median(results["TRL GRPOTrainer"])
 print(f"\nours / TRL seconds per step: {ratio:.2f}x   (per-round: {results})")

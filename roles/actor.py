@@ -3,7 +3,7 @@ import torch
 
 from utils import algos
 from utils.data import micro_batches
-from utils.dist import full_tensors, load_sharded, weight_specs
+from utils.dist import full_tensors, load_sharded, reduce, weight_specs
 from utils.model import completion_logprobs
 
 
@@ -35,8 +35,15 @@ class Actor:
         batch['behaviour'] [N, T] the engine's log-probs (the importance ratio's denominator),
         batch['ref'] [N, T] when kl_coef > 0; `norm` is the per-rank normaliser of
         `algos.aggregate`. Returns this rank's metric sums and maxima (tensors; the caller
-        reduces them over ranks at log time)."""
-        sums = {"pg_loss": 0.0, "kl": 0.0, "clipped_tokens": 0.0, "gap_sum": 0.0}
+        reduces them over ranks at log time).
+
+        Without a KL term, rows whose advantage is exactly 0 (e.g. groups whose rewards are all
+        equal) add exactly nothing to the loss or its gradient, so they are not run: see
+        `rows_to_train`. The optimizer still steps, as it would on their zero gradient."""
+        if kl_coef == 0:
+            batch = self.rows_to_train(batch)
+        sums = {"pg_loss": 0.0, "kl": 0.0, "clipped_tokens": 0.0, "gap_sum": 0.0, "rows": len(batch["adv"]),
+                "tokens": batch["mask"].sum()}
         gap_max = torch.zeros((), device=batch["mask"].device)
         mbs = list(micro_batches(batch, micro_batch_size))
         for i, mb in enumerate(mbs):
@@ -64,3 +71,13 @@ class Actor:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         return sums, {"gap_max": gap_max, "grad_norm": grad_norm, "skipped": float(not finite)}
+
+    def rows_to_train(self, batch):
+        """The rows with a nonzero advantage first (in order), then zero-advantage rows, K rows
+        in all, K = the most nonzero rows on any trainer rank (at least 1): every rank then runs
+        the same number of micro-batches, so FSDP's collectives pair up."""
+        adv = batch["adv"]  # [N]
+        most = reduce({"rows": (adv != 0).sum()}, op=torch.distributed.ReduceOp.MAX, group=self.group)["rows"]
+        K = max(1, int(most))
+        rows = torch.argsort((adv == 0).to(torch.uint8), stable=True)[:K]  # [K]
+        return {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == len(adv) else v for k, v in batch.items()}

@@ -42,3 +42,21 @@ def test_two_ranks_update_equals_one_rank(model_dir, tmp_path, loss_agg, micro):
         assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), (k, (a[k] - b[k]).abs().max())
     assert any(not torch.equal(a[k], before[k]) for k in a)  # the step did change the weights
     assert open(one + ".gather_ok").read() == "True" and open(two + ".gather_ok").read() == "True"
+
+
+def test_zero_advantage_rows_are_skipped_with_the_same_gradient(model_dir, tmp_path):
+    """Rows with advantage 0 add nothing to the loss: skipping them leaves the gradient as it was,
+    and every rank trains the same number of rows (the most any rank needs) so FSDP pairs up."""
+    import json
+
+    out = str(tmp_path / "grads.safetensors")
+    torchrun(2, "tests/helpers/skip_rows.py", model_dir, out)
+    rows = json.load(open(out + ".rows"))
+    assert rows["skip"] == {"rows0": 3, "rows1": 3} and rows["full"] == {"rows0": 6, "rows1": 6}
+    g = load_file(out)
+    names = [k.removeprefix("skip.") for k in g if k.startswith("skip.")]
+    assert names and all(f"full.{k}" in g for k in names)
+    for k in names:
+        a, b = g[f"skip.{k}"], g[f"full.{k}"]
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7 * b.abs().max().item()), (k, (a - b).abs().max())
+    assert any(g[f"full.{k}"].abs().max() > 0 for k in names)  # there was a gradient to compare
