@@ -74,7 +74,7 @@ SAME, SKIP = "ours (train_grpo.py)", "ours, accuracy reward"
 results = {"TRL GRPOTrainer": [], SAME: [], SKIP: []}
 rss = {k: 0.0 for k in results}
 trained = {"TRL GRPOTrainer": 1.0}
-model_dir = data = None
+model_dir = data = mean_len = None
 for r in range(args.rounds):
     s, m, model_dir = trl()
     results["TRL GRPOTrainer"].append(s)
@@ -88,7 +88,8 @@ for r in range(args.rounds):
                 a, b = rng.randint(0, 99), rng.randint(0, 99)
                 f.write(json.dumps({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)}) + "\n")
     for name, reward in ((SAME, "bench.common:parity_reward"), (SKIP, "accuracy")):
-        s, m, mean_len, trained[name] = ours(model_dir, data, reward)
+        s, m, length, trained[name] = ours(model_dir, data, reward)
+        mean_len = length if name == SAME else mean_len
         results[name].append(s)
         rss[name] = max(rss[name], m)
 

@@ -67,8 +67,8 @@ class NativeEngine(Engine):
         if self.model is None:
             self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
             self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
+        self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
         load_state(self.model, weights)
-        self.needs_prepare = True
 
     def release(self):
         """Drop weights (the KV cache lives only inside generate)."""

@@ -25,6 +25,12 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**base))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base))
+    with torch.no_grad():  # HF starts norms at 1 and biases at 0: randomise them so that tests see them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     model.eval().save_pretrained(path)
     return model
 

@@ -19,6 +19,14 @@ def test_group_advantages_match_a_loop():
                 assert got[g, j].item() == pytest.approx(want, abs=1e-5)
 
 
+def test_a_group_of_equal_rewards_has_exactly_zero_advantage():
+    """Not the float rounding of its mean divided by a tiny std (0.0074 for eight rewards of 0.1)."""
+    r = torch.tensor([[0.1] * 8, [1.1] * 8, [0.1, 0.2] * 4])
+    for scale in (True, False):
+        got = algos.group_advantages(r, scale_std=scale)
+        assert torch.equal(got[:2], torch.zeros(2, 8)) and (got[2] != 0).all()
+
+
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
 def test_kl_estimators_match_a_loop(kind):
     logp, ref = torch.randn(3, 5) - 2, torch.randn(3, 5) - 2

@@ -92,6 +92,13 @@ def test_missing_config_is_a_clear_error(tmp_path):
         read_config(str(tmp_path))
 
 
+def test_config_without_a_needed_key_is_a_clear_error(tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64}, f)
+    with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
+        read_config(str(tmp_path))
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, f)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from roles.rollout import NativeEngine, SamplingParams
+from conftest import hf_checkpoint
 from utils.decode import sample_tokens, uniforms
 from utils.data import Tokenizer, arith_rows
 from utils.model import iter_checkpoint, read_config
@@ -21,16 +22,27 @@ def prompts(tok, k=6):
     return ps
 
 
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def decode_model(request, tiny_hf, tmp_path_factory):
+    """(path, transformers model): the untied Qwen2 (q/k/v bias) and a tied Llama with o_proj bias."""
+    if request.param == "qwen2":
+        return tiny_hf
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    return path, hf_checkpoint(path, arch="llama", attention_bias=True, tie_word_embeddings=True)
+
+
 @pytest.fixture(params=["onednn", "plain"])
 def decode_weights(request, monkeypatch):
     """Both decode paths: oneDNN-packed weights (CPU fp32) and the model's own (GPU, bf16)."""
     if request.param == "plain":
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    elif not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
     return request.param
 
 
-def test_greedy_equals_transformers_generate(tiny_hf, decode_weights):
-    path, ref = tiny_hf
+def test_greedy_equals_transformers_generate(decode_model, decode_weights):
+    path, ref = decode_model
     eng = engine_for(path)
     eng.generate([[1, 2]], SamplingParams(max_new_tokens=2), [0])  # prepares the decode weights
     assert eng.decoder.step_head[1].is_mkldnn == (decode_weights == "onednn")
@@ -45,8 +57,8 @@ def test_greedy_equals_transformers_generate(tiny_hf, decode_weights):
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
-def test_sampled_logprobs_equal_full_forward(tiny_hf, temperature, top_p, top_k, decode_weights):
-    path, ref = tiny_hf
+def test_sampled_logprobs_equal_full_forward(decode_model, temperature, top_p, top_k, decode_weights):
+    path, ref = decode_model
     eng = engine_for(path)
     ps = prompts(eng.tok, 3)
     sp = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16)
@@ -127,7 +139,7 @@ def test_load_weights_replaces_the_model(tiny_hf, tmp_path):
 
 def test_bf16_engine_runs_and_agrees_with_fp32_log_probs(tiny_hf):
     """The bf16 path (GPU default): RoPE tables must follow the weights' dtype."""
-    path, _ = tiny_hf
+    path, ref = tiny_hf
     fp32 = engine_for(path)
     bf16 = NativeEngine(read_config(path), Tokenizer(path), dtype=torch.bfloat16)
     bf16.load_weights(iter_checkpoint(path))
@@ -137,3 +149,9 @@ def test_bf16_engine_runs_and_agrees_with_fp32_log_probs(tiny_hf):
     assert torch.isfinite(b.logprobs).all()
     assert torch.equal(a.tokens[:, 0], b.tokens[:, 0])  # the first greedy token survives bf16 rounding
     assert (a.logprobs[:, 0] - b.logprobs[:, 0]).abs().max() < 0.05
+    for i, p in enumerate(ps):  # every decode step too: bf16's log-probs of its own tokens vs an fp32 forward
+        n = int(b.lengths[i])
+        with torch.no_grad():
+            logits = ref(torch.tensor([p + b.tokens[i, :n].tolist()])).logits[0, len(p) - 1:-1]  # [n, V]
+        want = torch.log_softmax(logits, -1).gather(-1, b.tokens[i, :n, None])[:, 0]
+        assert (b.logprobs[i, :n] - want).abs().max() < 0.1, (b.logprobs[i, :n], want)

@@ -6,11 +6,14 @@ import torch
 def group_advantages(rewards, scale_std: bool = True, eps: float = 1e-6):
     """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3):
     A_ij = r_ij - mean_j(r_i), divided by std_j(r_i) when `scale_std` (Dr. GRPO, Liu et al.
-    2025, argues for leaving the std out). rewards [G, n] -> [G, n]."""
+    2025, argues for leaving the std out). rewards [G, n] -> [G, n]. A group whose rewards are
+    all equal gets exactly 0: its float mean can miss the value (eight rewards of 0.1 in fp32),
+    and the rounding left over, divided by a std of ~1e-8, would be an advantage of ~0.01."""
     centred = rewards - rewards.mean(-1, keepdim=True)  # [G, n]
-    if not scale_std:
-        return centred
-    return centred / (rewards.std(-1, keepdim=True) + eps)  # unbiased std, as TRL and veRL
+    if scale_std:
+        centred = centred / (rewards.std(-1, keepdim=True) + eps)  # unbiased std, as TRL and veRL
+    same = rewards.amax(-1, keepdim=True) == rewards.amin(-1, keepdim=True)  # [G, 1]
+    return centred.masked_fill(same, 0.0)
 
 
 def kl_estimate(logp, ref_logp, kind: str):

@@ -153,6 +153,7 @@ class FusedDecoder:
         H, KV, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         G = H // KV
         cos, sin = self.rope(positions)  # [B, 1, D]
+        mask = bias[:, None]  # [B, 1, 1, L] for SDPA
         bias = bias.expand(B, KV, L).reshape(B * KV, 1, L)  # [B*KV, 1, L]
         h = F.embedding(tokens, self.embed)  # [B, h]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.step_layers):
@@ -160,9 +161,13 @@ class FusedDecoder:
             qk = qkv[:, :H + KV]
             qk = torch.addcmul(qk * cos, torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1), sin)  # RoPE
             k, v = cache.update(i, qk[:, H:, None], qkv[:, H + KV:, None])  # [B, KV, L, D]
-            s = torch.baddbmm(bias, qk[:, :H].reshape(B * KV, G, D), k.reshape(B * KV, L, D).transpose(1, 2),
-                              alpha=D ** -0.5)  # [B*KV, G, L]
-            o = torch.bmm(s.softmax(-1), v.reshape(B * KV, L, D)).view(B, H * D)  # [B, H*D]
+            if h.dtype == torch.float32:  # two batched matmuls over [B*KV]: at one query, fewer ops than SDPA
+                s = torch.baddbmm(bias, qk[:, :H].reshape(B * KV, G, D), k.reshape(B * KV, L, D).transpose(1, 2),
+                                  alpha=D ** -0.5)  # [B*KV, G, L]
+                o = torch.bmm(s.softmax(-1), v.reshape(B * KV, L, D)).view(B, H * D)  # [B, H*D]
+            else:  # bf16 (GPU): SDPA keeps the scores in fp32, as the trainer's attention does
+                o = F.scaled_dot_product_attention(qk[:, :H, None], k, v, attn_mask=mask,
+                                                   enable_gqa=KV != H).view(B, H * D)  # [B, H*D]
             h = _linear(o, wo, bo, add=h)
             h = _linear(_swiglu(_rms(h, ln2, eps), wgu), wd, add=h)
         cache.pos += 1

@@ -283,7 +283,11 @@ def read_config(path: str) -> ModelConfig:
             f"{path!r} has no config.json; point --model at a Hugging Face checkpoint directory "
             "(config.json, *.safetensors, tokenizer.json)")
     with open(cfg_file) as f:
-        return ModelConfig.from_hf(json.load(f))
+        d = json.load(f)
+    try:
+        return ModelConfig.from_hf(d)
+    except KeyError as e:
+        raise ValueError(f"{cfg_file} has no {e} (is it a Qwen2 / Llama config.json?)") from None
 
 
 def build(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:
