@@ -53,8 +53,6 @@ class Engine:
         pass
 
 
-
-
 class NativeEngine(Engine):
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype

@@ -127,26 +127,24 @@ class FusedDecoder:
         2-core CI machines. Elsewhere they are the model's own tensors."""
         pack = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                 and torch.backends.mkldnn.is_available())
-        self.step_layers = []
         if not pack:
-            self.step_layers = list(self.layers)
-            self.step_head = (self.norm, self.lm_head)
+            self.step_layers, self.step_head = list(self.layers), (self.norm, self.lm_head)
             return
         I = self.cfg.intermediate_size
 
         def packed(w, norm=None):
             return torch.ops.mkldnn._reorder_linear_weight(w if norm is None else w * norm.weight, rows)
 
-        for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd in self.layers:
-            self.step_layers.append((None, packed(wqkv, ln1), bqkv, packed(wo), bo, None,
-                                     (packed(wgu[:I], ln2), packed(wgu[I:], ln2)), packed(wd)))
+        self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None,
+                             (packed(wgu[:I], ln2), packed(wgu[I:], ln2)), packed(wd))
+                            for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd in self.layers]
         self.step_head = (None, packed(self.lm_head, self.norm))
 
     def decode(self, tokens, positions, bias, cache: KVCache):
         """One new token per row, the hot loop of generation: tokens, positions [B]; bias [B, 1, L]
         additive (0 or -inf) over the cache's first L = cache.pos + 1 slots. Returns logits [B, V].
-        Same math as `__call__` with fewer ops: grouped-query attention as two batched matmuls
-        over [B*KV] (no K/V repeat, no SDPA dispatch) and residual adds fused into the matmuls.
+        Same math as `__call__` with fewer ops: residual adds fused into the matmuls and, in
+        fp32, grouped-query attention as two batched matmuls over [B*KV] (no SDPA dispatch).
         Uses the weights of the last `prepare`."""
         c = self.cfg
         B, L = tokens.shape[0], cache.pos + 1
