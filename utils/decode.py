@@ -57,7 +57,7 @@ def sample_tokens(logits, params: SamplingParams, u):
     if params.temperature == 0:
         tok = logits.argmax(-1)  # [N]
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / params.temperature, -1)  # [N, V]
+    logp = torch.log_softmax(logits / params.temperature if params.temperature != 1 else logits, -1)  # [N, V]
     probs = logp.exp()
     order = None
     if params.top_k > 0 or params.top_p < 1.0:
@@ -67,7 +67,7 @@ def sample_tokens(logits, params: SamplingParams, u):
         if params.top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
             before = probs.cumsum(-1) - probs
             probs = probs.masked_fill(before >= params.top_p, 0)
-    cdf = probs.double().cumsum(-1)  # [N, V]
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # [N, V]
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[1] - 1)  # [N, 1]
     tok = (order.gather(-1, idx) if order is not None else idx)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
