@@ -172,3 +172,11 @@ def test_a_tampered_checkpoint_index_is_refused_not_executed(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
         SafeReader(str(tmp_path)).read_metadata()
     assert not marker.exists()  # (the resume tests read real checkpoints through the same reader)
+
+
+def test_a_checkpoint_from_before_fused_adamw_resumes_fused(tmp_path):
+    """Optimizer flags such as `fused` say how to step, not what to restore: loading must keep ours."""
+    model = str(tmp_path / "model")
+    random_checkpoint(model, seed=2, num_hidden_layers=1)
+    torchrun(2, "tests/helpers/resume_flags.py", model, str(tmp_path / "run"))
+    assert (tmp_path / "run" / "ok").read_text() == "ok"

@@ -125,7 +125,10 @@ def load(path: str, actor, rank: int) -> dict:
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, storage_reader=SafeReader(path), process_group=actor.group)
+    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in actor.opt.param_groups]
     set_state_dict(actor.model, actor.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for g, flags in zip(actor.opt.param_groups, impl):  # how to step is ours, not the checkpoint's
+        g.update(flags)  # (one saved before fused AdamW would turn it off)
     actor.sched.load_state_dict(meta["scheduler"])
     rank_file = os.path.join(path, f"rank{rank}.json")
     if os.path.isfile(rank_file):  # a different world size: ranks beyond the old one keep their seed
