@@ -104,6 +104,40 @@ def test_sampler_follows_the_distribution():
     assert (tok == 0).all()  # p[0] = 0.57 >= 0.5: the nucleus is one token
 
 
+def sort_sampler(logits, params, u):
+    """The plain definition: sort the whole vocabulary, cut top-k and top-p, inverse CDF."""
+    logp = torch.log_softmax(logits / params.temperature, -1)
+    probs, order = logp.exp().sort(-1, descending=True)
+    if params.top_k > 0:
+        probs[:, params.top_k:] = 0
+    if params.top_p < 1.0:
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= params.top_p, 0)
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[1] - 1)
+    tok = order.gather(-1, idx)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("rows", ["peaked", "flat", "mixed"])
+@pytest.mark.parametrize("top_p,top_k", [(0.9, 0), (1.0, 40), (0.8, 300)])
+def test_candidate_sampler_equals_sorting_the_vocabulary(rows, top_p, top_k):
+    """top-k / top-p look at the top candidates and sort the whole vocabulary only for rows whose
+    candidates hold too little mass (flat rows): the same tokens as sorting everything."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 5000, 64  # more than the 1024 candidates top-p tries first
+    flat = torch.randn(N, V, generator=g) * 0.5  # the top 1024 hold about a third of the mass
+    peaked = flat.clone()
+    peaked[:, :30] += 12  # nearly all the mass on 30 tokens
+    mixed = torch.where(torch.arange(N)[:, None] % 4 == 0, flat, peaked)  # a quarter of the rows flat
+    logits = {"peaked": peaked, "flat": flat, "mixed": mixed}[rows]
+    sp, u = SamplingParams(temperature=0.9, top_p=top_p, top_k=top_k), uniforms(torch.arange(N), 7)
+    p = torch.softmax(logits / 0.9, -1).topk(1024, -1).values.sum(-1)  # [N]
+    assert {"peaked": (p > 0.99).all(), "flat": (p < 0.5).all(), "mixed": (p < 0.5).sum() == N // 4}[rows]
+    tok, lp = sample_tokens(logits, sp, u)
+    want_tok, want_lp = sort_sampler(logits, sp, u)
+    assert torch.equal(tok, want_tok) and torch.equal(lp, want_lp)
+
+
 def test_stop_string_ends_the_completion(tiny_hf):
     path, _ = tiny_hf
     eng = engine_for(path)

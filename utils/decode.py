@@ -51,6 +51,9 @@ def sample_uniforms(seeds: list[int], n: int, T: int, device):
     return uniforms(_mix32(keys & M32)[:, None], torch.arange(T, device=device)[None])  # [N, T]
 
 
+TOP_P_FIRST = 1024
+
+
 def sample_tokens(logits, params: SamplingParams, u):
     """logits [N, V] fp32, u [N] -> (tokens [N], logprobs [N] of those tokens under
     softmax(logits / temperature), before top-k/top-p filtering, as vLLM reports them)."""
@@ -61,9 +64,19 @@ def sample_tokens(logits, params: SamplingParams, u):
     probs = logp.exp()
     order = None
     if params.top_k > 0 or params.top_p < 1.0:
-        probs, order = probs.sort(-1, descending=True)  # [N, V]
-        if params.top_k > 0:
-            probs[:, params.top_k:] = 0
+        # the candidates, most likely first: top-k's k, or for top-p alone the first TOP_P_FIRST,
+        # and the whole vocabulary sorted only for rows where their mass falls short of top_p
+        # (flat rows). Sorting 152K tokens for 64 rows took 0.6 s a step on 2 cores.
+        V = probs.shape[-1]
+        k = min(V, params.top_k or TOP_P_FIRST)
+        cand, order = probs.topk(k, -1)  # [N, k] descending
+        short = cand.cumsum(-1)[:, -1] < params.top_p if not params.top_k and k < V else None  # [N]
+        if short is not None and bool(short.all()):
+            cand, order = probs.sort(-1, descending=True)  # [N, V]
+        elif short is not None and bool(short.any()):
+            cand, order = F.pad(cand, (0, V - k)), F.pad(order, (0, V - k))  # [N, V], probability 0 past k
+            cand[short], order[short] = probs[short].sort(-1, descending=True)
+        probs = cand
         if params.top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
             before = probs.cumsum(-1) - probs
             probs = probs.masked_fill(before >= params.top_p, 0)
