@@ -171,7 +171,7 @@ if __name__ == "__main__":
                          "its process groups over the whole torchrun world, and the trainer ranks would have to "
                          "join them; use --engine native (auto picks it here) or --placement colocate")
     try:  # a wrong --model stops every rank here, before any process group, with what to change
-        read_config(args.model), Tokenizer(args.model)
+        cfg, tok = read_config(args.model), Tokenizer(args.model)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"--model: {e}") from None
     rank, world, device = dist.init(args.timeout_s)
@@ -181,15 +181,14 @@ if __name__ == "__main__":
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.max_prompt_tokens + args.max_new_tokens
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
-        engine = make_engine("native", args.model, read_config(args.model), Tokenizer(args.model), device,
-                             param_dtype, max_len, args.seed)  # vLLM is refused above in this mode
+        # vLLM is refused above in this mode
+        engine = make_engine("native", args.model, cfg, tok, device, param_dtype, max_len, args.seed)
         serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
         engine.close()
         dist.exit_now(0)
     dp, group = plan.dp, plan.group  # the trainer ranks (all ranks in colocate)
 
     # data: every rank tokenises the same rows and later takes its own slice of each step
-    tok = Tokenizer(args.model)
     rows, skipped = tokenize_rows(load_rows(args.dataset, "train", args.prompt_column, args.answer_column, args.seed),
                                   tok, args.max_prompt_tokens)
     eval_source = args.eval_dataset or (BUILTIN if args.dataset == BUILTIN else None)

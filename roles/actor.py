@@ -2,7 +2,7 @@
 import torch
 
 from utils import algos
-from utils.data import micro_batches
+from utils.data import micro_batches, take_rows
 from utils.dist import full_tensors, load_sharded, reduce, weight_specs
 from utils.model import completion_logprobs
 
@@ -81,5 +81,4 @@ class Actor:
         adv = batch["adv"]  # [N]
         most = reduce({"rows": (adv != 0).sum()}, op=torch.distributed.ReduceOp.MAX, group=self.group)["rows"]
         K = max(1, int(most))
-        rows = torch.argsort((adv == 0).to(torch.uint8), stable=True)[:K]  # [K]
-        return {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == len(adv) else v for k, v in batch.items()}
+        return take_rows(batch, torch.argsort((adv == 0).to(torch.uint8), stable=True)[:K])  # K rows

@@ -239,11 +239,16 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
             "prompt_len": P}
 
 
-def micro_batches(batch: dict, size: int):
-    """Row slices of a batch dict (tensors with a leading row dimension are sliced, the rest kept)."""
+def take_rows(batch: dict, rows) -> dict:
+    """Rows of a batch dict (a slice or an index tensor): tensors with a leading row dimension
+    are indexed, the rest kept."""
     import torch
 
     N = batch["input_ids"].shape[0]
-    for s in range(0, N, size):
-        yield {k: v[s:s + size] if torch.is_tensor(v) and v.dim() and v.shape[0] == N else v
-               for k, v in batch.items()}
+    return {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == N else v for k, v in batch.items()}
+
+
+def micro_batches(batch: dict, size: int):
+    """Consecutive row slices of a batch dict, `size` rows each."""
+    for s in range(0, batch["input_ids"].shape[0], size):
+        yield take_rows(batch, slice(s, s + size))
