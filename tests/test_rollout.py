@@ -4,7 +4,7 @@ import torch
 
 from roles.rollout import NativeEngine, SamplingParams
 from conftest import hf_checkpoint
-from utils.decode import sample_tokens, uniforms
+from utils.decode import inverse_cdf, sample_tokens, uniforms
 from utils.data import Tokenizer, arith_rows
 from utils.model import iter_checkpoint, read_config
 
@@ -105,17 +105,38 @@ def test_sampler_follows_the_distribution():
 
 
 def sort_sampler(logits, params, u):
-    """The plain definition: sort the whole vocabulary, cut top-k and top-p, inverse CDF."""
+    """The plain definition: sort the whole vocabulary, cut top-k and top-p, inverse CDF (the
+    same `inverse_cdf`: it has its own test)."""
     logp = torch.log_softmax(logits / params.temperature, -1)
     probs, order = logp.exp().sort(-1, descending=True)
     if params.top_k > 0:
         probs[:, params.top_k:] = 0
     if params.top_p < 1.0:
         probs = probs.masked_fill(probs.cumsum(-1) - probs >= params.top_p, 0)
-    cdf = probs.double().cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[1] - 1)
-    tok = order.gather(-1, idx)[:, 0]
+    tok = order.gather(-1, inverse_cdf(probs, u))[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("V", [1000, 150_000])
+def test_inverse_cdf_draws_from_the_running_sum(V):
+    """Each draw i satisfies cdf[i-1] < u * total <= cdf[i] for the float64 running sum over the
+    whole row (up to 1e-6 relative: the large-vocabulary path sums blocks in fp32), never lands on
+    a zero entry, and nearly always equals searchsorted on that cumsum."""
+    g = torch.Generator().manual_seed(V)
+    probs = torch.softmax(torch.randn(32, V, generator=g) * 3, -1)
+    probs[:, ::7] = 0  # zeros inside the row, as top-p leaves them
+    probs[:, -50:] = 0  # and at its end
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    same = 0
+    top = torch.full((32,), 1 - 2.0 ** -33, dtype=torch.float64)  # the largest uniform: the last nonzero entry
+    for u in [uniforms(torch.arange(32), t) for t in range(20)] + [top]:
+        target = u * cdf[:, -1]  # [N]
+        i = inverse_cdf(probs, u)  # [N, 1]
+        below = torch.where(i > 0, cdf.gather(-1, (i - 1).clamp(min=0)), 0.0)[:, 0]
+        assert (below < target * (1 + 1e-6)).all() and (cdf.gather(-1, i)[:, 0] >= target * (1 - 1e-6)).all()
+        assert (probs.gather(-1, i) > 0).all()
+        same += int((i[:, 0] == torch.searchsorted(cdf, target[:, None])[:, 0]).sum())
+    assert same >= 0.99 * 32 * 21
 
 
 @pytest.mark.parametrize("rows", ["peaked", "flat", "mixed"])

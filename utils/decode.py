@@ -6,6 +6,7 @@ one-token step with fewer ops (decode); `sample_tokens` draws by inverse CDF wit
 uniform per (prompt seed, sample, position) from a counter-based hash (`uniforms`), so a
 sample depends on its prompt's seed only, never on the batch it was put in or on the rank.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -80,10 +81,34 @@ def sample_tokens(logits, params: SamplingParams, u):
         if params.top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
             before = probs.cumsum(-1) - probs
             probs = probs.masked_fill(before >= params.top_p, 0)
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # [N, V]
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=cdf.shape[1] - 1)  # [N, 1]
+    idx = inverse_cdf(probs, u)  # [N, 1]
     tok = (order.gather(-1, idx) if order is not None else idx)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def inverse_cdf(probs, u):
+    """probs [N, V] >= 0, u [N] in (0, 1) -> [N, 1]: the first index whose running sum reaches
+    u * the row's total, i.e. a draw from probs. In two levels: block sums of ~sqrt(V) entries
+    in fp32, their running sum in float64, then a float64 running sum inside the chosen block.
+    A float64 cumsum over the whole row gives the same index except within ~1e-7 (relative) of a
+    boundary, and took 68 ms a step for 64 rows x 152K on 2 cores (the cast to float64 is slow),
+    against 19 ms here."""
+    N, V = probs.shape
+    if V <= 4096:  # small vocabularies: one float64 cumsum costs less than the two levels' extra ops
+        cdf = probs.cumsum(-1, dtype=torch.float64)  # [N, V]
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=V - 1)
+    b = math.isqrt(V - 1) + 1  # block size
+    nb = -(-V // b)
+    blocks = (F.pad(probs, (0, nb * b - V)) if nb * b > V else probs).view(N, nb, b)  # [N, nb, b]
+    mass = blocks.sum(-1).double()  # [N, nb]
+    cdf = mass.cumsum(-1)  # [N, nb]
+    target = (u * cdf[:, -1])[:, None]  # [N, 1]
+    j = torch.searchsorted(cdf, target).clamp(max=nb - 1)  # [N, 1], first block reaching target
+    rest = target - (cdf - mass).gather(-1, j)  # [N, 1], > 0: what is left to reach inside block j
+    inner = blocks.gather(1, j[:, :, None].expand(N, 1, b))[:, 0].cumsum(-1, dtype=torch.float64)  # [N, b]
+    # the block's float64 sum may differ from its fp32 `mass`: never step past its last nonzero entry
+    i = torch.searchsorted(inner, torch.minimum(rest, inner[:, -1:])).clamp(max=b - 1)  # [N, 1]
+    return j * b + i
 
 
 class FusedDecoder:
