@@ -92,12 +92,14 @@ class NativeEngine(Engine):
         if self.needs_prepare:
             self.decoder.prepare(rows=N)
             self.needs_prepare = False
-        # prefill once per prompt, then copy its cache to the n samples
-        cache = KVCache(self.cfg, B0, P + T, dev, self.dtype)
+        # prefill once per prompt, then copy its cache to its n samples' rows
+        prompt_cache, cache = KVCache(self.cfg, B0, P, dev, self.dtype), KVCache(self.cfg, N, P + T, dev, self.dtype)
         pos = positions_from(valid)  # [B0, P]
-        logits = self.decoder(tokens, pos, attention_mask(valid), cache)  # [B0, V]
+        logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache)  # [B0, V]
+        for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):  # [layers, N or B0, KV, L, D]
+            full.unflatten(1, (B0, n))[..., :P, :] = prompt[:, :, None]
+        cache.pos = P
         if n > 1:
-            cache.k, cache.v = cache.k.repeat_interleave(n, 1), cache.v.repeat_interleave(n, 1)
             logits, valid, pos = logits.repeat_interleave(n, 0), valid.repeat_interleave(n, 0), pos.repeat_interleave(n, 0)
         next_pos = pos[:, -1] + 1  # [N]
         u = sample_uniforms(seeds, n, T, dev)  # [N, T]
