@@ -4,7 +4,9 @@
     python bench/decode.py --model DIR          # any local HF checkpoint
 
 Runs alternate (ours, HF, ours, HF, ...) and report medians, since these machines are
-noisy. EOS is disabled on both sides so every row makes exactly --new-tokens tokens.
+noisy. EOS is disabled on both sides so every row makes exactly --new-tokens tokens. The
+third row times the native decode steps' matmuls alone: the ceiling on the speedup of any
+decoder that runs the same GEMMs (the rest of the step would have to cost nothing).
 """
 import argparse
 import statistics
@@ -16,6 +18,7 @@ from common import matmul_gflops, qwen2_checkpoint
 
 from roles.rollout import NativeEngine, SamplingParams
 from utils.data import Tokenizer
+from utils.decode import _linear
 from utils.model import flops_per_token, iter_checkpoint, read_config
 
 ap = argparse.ArgumentParser()
@@ -55,10 +58,22 @@ def theirs():
     assert out.shape == (B, args.prompt_len + T)
 
 
-times = {"native engine": [], "transformers generate": []}
+def matmuls_alone():
+    """The native decode steps' matmuls and nothing else (same weights, shapes and calls; every
+    other op free): a floor for any decoder built from these GEMMs on this machine."""
+    h, I = cfg.hidden_size, cfg.intermediate_size
+    x, xi = torch.randn(B, h), torch.randn(B, I)
+    for _ in range(T - 1):
+        for _, wqkv, bqkv, wo, bo, _, wgu, wd in eng.decoder.step_layers:
+            _linear(x, wqkv, bqkv), _linear(x, wo, bo, add=x), _linear(x, wgu), _linear(xi, wd, add=x)
+        _linear(x, eng.decoder.step_head[1])
+
+
+runs = (("native engine", ours), ("transformers generate", theirs), ("decode matmuls alone", matmuls_alone))
+times = {name: [] for name, _ in runs}
 ours(), theirs()  # warm-up
 for _ in range(args.reps):
-    for name, fn in (("native engine", ours), ("transformers generate", theirs)):
+    for name, fn in runs:
         t = time.perf_counter()
         fn()
         times[name].append(time.perf_counter() - t)
@@ -71,5 +86,6 @@ print(f"|{'-' * 24}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 7}|")
 for name, ts in times.items():
     m = statistics.median(ts)
     print(f"| {name:<22} | {m:8.3f} | {B * T / m:9.0f} | {flops / m / 1e9:7.1f} | {flops / m / 1e9 / roof:5.1%} |")
-speedup = statistics.median(times["transformers generate"]) / statistics.median(times["native engine"])
-print(f"\nnative / transformers tokens/s: {speedup:.2f}x")
+hf = statistics.median(times["transformers generate"])
+print(f"\nnative / transformers tokens/s: {hf / statistics.median(times['native engine']):.2f}x; "
+      f"the decode matmuls alone would give {hf / statistics.median(times['decode matmuls alone']):.2f}x")
