@@ -156,9 +156,9 @@ class FusedDecoder:
         negated: RoPE is then x * cos + x.roll(D // 2, -1) * sin, as HF's rotate_half (x1, x2) ->
         (-x2, x1) but one op (a roll) instead of two slices, a negation and a cat."""
         freqs = positions[..., None].float() * self.inv_freq  # [..., D/2]
-        emb = torch.cat((freqs, freqs), -1)[..., None, :]  # [..., 1, D]
-        sin = torch.cat((-freqs.sin(), freqs.sin()), -1)[..., None, :]  # [..., 1, D]
-        return emb.cos().to(self.embed.dtype), sin.to(self.embed.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat((cos, cos), -1)[..., None, :].to(self.embed.dtype),  # [..., 1, D]
+                torch.cat((-sin, sin), -1)[..., None, :].to(self.embed.dtype))
 
     def prepare(self, rows: int):
         """Build the decode step's weights; call after every weight load. On CPU in fp32 they are
