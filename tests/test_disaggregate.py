@@ -1,5 +1,6 @@
 """Disaggregated placement: layout checks, bucket plans, exact bucketed broadcast, the same run
 as colocate at staleness 0, the staleness bound, and a dead rollout rank failing the trainers."""
+import importlib.util
 import math
 import os
 import signal
@@ -155,10 +156,12 @@ def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
     assert len(metrics(run)) < 200
 
 
-def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("engine", ["native", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM not installed"))])
+def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
     """Preemption: every worker gets SIGTERM. The rollout rank keeps serving, the trainers save
     their checkpoint at the step they stopped, collect the requests sent ahead and tell the
-    rollout rank to stop: the job ends cleanly."""
+    rollout rank to stop: the job ends cleanly (vLLM's engine process included)."""
     from test_checkpoint import workers
 
     from utils import checkpoint
@@ -166,11 +169,11 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path):
     run = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "train_grpo.py",
            *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", "1", "--save-every", "0",
-           "--run-dir", run]
+           "--run-dir", run, "--engine", engine]
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 240
         while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
             assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
             time.sleep(0.05)
