@@ -15,10 +15,14 @@ of bounded bytes to the rollout ranks over their own group (NCCL on GPU, gloo on
 import datetime
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from roles.rollout import RemoteEngine
 
 
 @dataclass
@@ -32,102 +36,169 @@ class Layout:
     def __post_init__(self):
         if self.mode == "colocate":
             if self.rollout:
-                raise ValueError("--rollout-ranks applies to --placement disaggregate only; colocate generates "
-                                 "on every rank (drop the flag, or add --placement disaggregate)")
+                raise ValueError("--rollout-ranks applies to --placement disaggregate only; colocate "
+                                 "generates on every rank (drop the flag, or add --placement disaggregate)")
             if self.dp != self.world:
-                raise ValueError(f"colocate runs one trainer per rank: dp={self.dp} must equal the world size "
-                                 f"{self.world}; launch with torchrun --nproc-per-node {self.dp}")
+                raise ValueError(f"colocate runs one trainer per rank: dp={self.dp} must equal the world "
+                                 f"size {self.world}; launch with torchrun --nproc-per-node {self.dp}")
         elif self.mode == "disaggregate":
             if self.world < 2:
-                raise ValueError("--placement disaggregate needs at least 2 ranks (one trainer, one rollout): "
-                                 "launch with torchrun --nproc-per-node 2 or more, or use --placement colocate")
+                raise ValueError("--placement disaggregate needs at least 2 ranks (one trainer, one "
+                                 "rollout): launch with torchrun --nproc-per-node 2 or more, or use "
+                                 "--placement colocate")
             fits = [k for k in range(1, self.world) if (self.world - k) % k == 0]
             if not 1 <= self.rollout < self.world or self.dp % self.rollout:
-                raise ValueError(f"--rollout-ranks {self.rollout} does not fit a world of {self.world}: it needs "
-                                 f"1 <= K < {self.world} and every rollout rank serving the same number of "
-                                 f"trainers ({self.world} - K divisible by K); fits: --rollout-ranks in {fits}")
+                raise ValueError(f"--rollout-ranks {self.rollout} does not fit a world of {self.world}: "
+                                 f"it needs 1 <= K < {self.world} and every rollout rank serving the same "
+                                 f"number of trainers ({self.world} - K divisible by K); fits: "
+                                 f"--rollout-ranks in {fits}")
         else:
             raise ValueError(f"--placement {self.mode!r} is not available; use colocate or disaggregate")
 
 
 @dataclass
 class Plan:
+    """This rank's part in the run. Each group is named by what travels on it."""
     layout: Layout
     rank: int
-    role: str  # "trainer" (colocate: trainer and engine) | "rollout"
-    mesh: object = None  # the trainers' 1-D DeviceMesh ("dp"); None on rollout ranks
-    group: object = None  # the trainers' process group: metric reductions, checkpoints
-    sync_group: object = None  # trainer 0 + the rollout ranks: the weight broadcast (disaggregate)
-    requests: object = None  # all ranks, long timeout: trainers' requests, which rollout ranks wait for
-    peer: int | None = None  # a trainer's rollout rank (disaggregate)
-    trainers: list = field(default_factory=list)  # a rollout rank's trainers, in the order it serves them
+    device: torch.device
+    role: Literal["trainer", "rollout"]  # trainer: in colocate also this rank's engine
+    # the trainers' 1-D mesh ("dp") that FSDP2 shards over; None on rollout ranks
+    mesh: DeviceMesh | None = None
+    # the trainers: metric reductions, loss normalisers, checkpoints
+    trainer_group: ProcessGroup | None = None
+    # disaggregate: trainer 0 + the rollout ranks, the bucketed weight broadcast
+    weight_group: ProcessGroup | None = None
+    # disaggregate: every rank, with a week's timeout: the trainers' requests, which a rollout rank
+    # waits for through whole training steps, checkpoints and exports (a trainer that dies still
+    # fails it at once: its connections close). The replies travel on the default group.
+    request_group: ProcessGroup | None = None
+    rollout_peer: int | None = None  # disaggregate: a trainer's rollout rank
+    # a rollout rank's trainers, in the order it serves them
+    served: list[int] = field(default_factory=list)
 
     @property
-    def dp(self):
+    def mode(self) -> str:
+        return self.layout.mode
+
+    @property
+    def dp(self) -> int:
         return self.layout.dp
 
 
-def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_step: int, rollout_ranks: int = 0,
-         max_staleness: int = 0, timeout_s: float = 300) -> Plan:
+def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_step: int,
+         rollout_ranks: int = 0, max_staleness: int = 0, timeout_s: float = 300) -> Plan:
+    """This rank's Plan. Checks that the layout fits the world and the batch, saying what would."""
     layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks)
     if max_staleness < 0:
-        raise ValueError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of versions")
+        raise ValueError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of "
+                         "versions")
     if max_staleness and mode != "disaggregate":
-        raise ValueError(f"--max-staleness {max_staleness} overlaps generation with training, which needs "
-                         "separate rollout ranks: add --placement disaggregate --rollout-ranks K, or drop the flag")
+        raise ValueError(f"--max-staleness {max_staleness} overlaps generation with training, which "
+                         "needs separate rollout ranks: add --placement disaggregate --rollout-ranks K, or "
+                         "drop the flag")
     if prompts_per_step % layout.dp:
         fits = [k * layout.dp for k in range(1, 4)]
-        raise ValueError(f"--prompts-per-step {prompts_per_step} does not split over {layout.dp} trainer ranks "
-                         f"(each rank is the controller of its own prompts); use a multiple such as {fits}")
+        raise ValueError(f"--prompts-per-step {prompts_per_step} does not split over {layout.dp} trainer "
+                         f"ranks (each rank is the controller of its own prompts); use a multiple such as "
+                         f"{fits}")
     if mode == "colocate":
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
-        return Plan(layout, rank, "trainer", mesh, mesh.get_group())
+        return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group())
     # every rank must create every group, in the same order (new_group is collective)
     timeout = datetime.timedelta(seconds=timeout_s)
-    trainers = dist.new_group(list(range(layout.dp)), timeout=timeout)
-    sync_group = dist.new_group([0, *range(layout.dp, world)], timeout=timeout)
-    # a rollout rank waits for its next request through whole training steps, checkpoints and
-    # exports: no timeout there (a week); a trainer that dies still fails it at once (closed socket)
-    requests = dist.new_group(list(range(world)), timeout=datetime.timedelta(days=7))
-    peer_of = lambda i: layout.dp + i % layout.rollout  # noqa: E731
+    trainer_group = dist.new_group(list(range(layout.dp)), timeout=timeout)
+    weight_group = dist.new_group([0, *range(layout.dp, world)], timeout=timeout)
+    request_group = dist.new_group(list(range(world)), timeout=datetime.timedelta(days=7))
     if rank < layout.dp:
-        mesh = DeviceMesh.from_group(trainers, device.type, mesh_dim_names=("dp",))
-        return Plan(layout, rank, "trainer", mesh, trainers, sync_group, requests, peer=peer_of(rank))
-    return Plan(layout, rank, "rollout", sync_group=sync_group, requests=requests,
-                trainers=[i for i in range(layout.dp) if peer_of(i) == rank])
+        mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
+        return Plan(layout, rank, device, "trainer", mesh, trainer_group, weight_group, request_group,
+                    rollout_peer=rollout_rank_of(rank, layout))
+    served = []
+    for trainer in range(layout.dp):
+        if rollout_rank_of(trainer, layout) == rank:
+            served.append(trainer)
+    return Plan(layout, rank, device, "rollout", weight_group=weight_group, request_group=request_group,
+                served=served)
 
 
-def sync(actor, engine, version: int) -> dict:
-    """Give the engine the actor's current full weights, as policy `version` (the number of
-    optimizer steps behind them). colocate: straight into the local engine; disaggregate: the
-    remote engine broadcasts them in buckets (every trainer joins the gathers). Returns the
-    seconds (all, and those spent gathering FSDP shards) and the bytes moved."""
-    t, gather_s, nbytes = time.perf_counter(), 0.0, 0
+def rollout_rank_of(trainer: int, layout: Layout) -> int:
+    """Trainer i is served by rollout rank dp + i % K."""
+    return layout.dp + trainer % layout.rollout
 
-    def counted():
-        nonlocal gather_s, nbytes
-        weights = actor.full_weights()
-        while True:
-            t0 = time.perf_counter()
-            item = next(weights, None)
-            gather_s += time.perf_counter() - t0
-            if item is None:
-                return
-            nbytes += item[1].numel() * item[1].element_size()
-            yield item
 
+def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 0):
+    """The engine this rank generates with, behind one interface (utils/engines.py).
+    colocate: `local_engine()`, in this process, taking turns with training on the device;
+    disaggregate, trainer: its rollout rank, behind a `RemoteEngine` that expects `weight_specs`;
+    disaggregate, rollout rank: `local_engine(own_process=True)`: vLLM's engine core then runs in
+    a child process with a world of its own (in-process, it would build its groups over the
+    whole torchrun world, which the trainers never join)."""
+    if plan.mode == "colocate":
+        return local_engine()
+    if plan.role == "trainer":
+        return RemoteEngine(plan, weight_specs, bucket_bytes)
+    return local_engine(own_process=True)
+
+
+def sync(plan: Plan, actor, engine, version: int) -> dict:
+    """Give the engine the actor's current full weights as policy `version` (the number of
+    optimizer steps behind them). The weights come from FSDP2 all-gathers, one block at a time,
+    in which every trainer takes part. Returns the seconds (all, and those spent gathering) and
+    the bytes moved."""
+    t = time.perf_counter()
+    stats = {"sync_gather_s": 0.0, "sync_bytes": 0}
+    weights = _measured(actor.full_weights(), stats)
     engine.version = version
-    weights = counted()
-    engine.load_weights(weights)
-    # the gathers are collectives: finish them whatever the engine consumed (a remote engine on
-    # trainers > 0 takes none; one that stops at the last tensor would leave its block unsharded)
-    for _ in weights:
-        pass
+    if plan.mode == "colocate":
+        # straight into this rank's own engine
+        engine.load_weights(weights)
+    else:
+        # every trainer tells its rollout rank that a version is coming; trainer 0 broadcasts it in
+        # buckets to all rollout ranks; the others only join the gathers that produce it
+        engine.announce_weights()
+        if plan.rank == 0:
+            engine.broadcast_weights(weights)
+        else:
+            for _ in weights:
+                pass
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
-    return {"sync_s": time.perf_counter() - t, "sync_gather_s": gather_s, "sync_bytes": nbytes}
+    return {"sync_s": time.perf_counter() - t, **stats}
 
 
-def release(engine):
-    """Give the engine's memory back before training (colocate; a remote engine keeps its own)."""
-    engine.release()
+def _measured(weights, stats: dict):
+    """The (name, tensor) stream, adding the seconds spent producing it and its bytes to `stats`."""
+    while True:
+        t = time.perf_counter()
+        item = next(weights, None)
+        stats["sync_gather_s"] += time.perf_counter() - t
+        if item is None:
+            return
+        stats["sync_bytes"] += item[1].numel() * item[1].element_size()
+        yield item
+
+
+def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float) -> dict:
+    """Where this rank's step went, per role: the busy and idle seconds of the trainer role and
+    of the rollout role, and `device_idle`, the seconds in which this rank's device (and, in
+    disaggregate, its share of its rollout rank's) had nothing to do. Summed over the trainers
+    these are the `placement/` metrics, and what a rebalancer would read. `seconds` holds the
+    step's phases (utils.logger.Timer): wait, sync, eval, generate, reward, reference, train."""
+    phase = lambda name: seconds.get(name, 0.0)  # noqa: E731
+    # the trainer role waits while samples are made (colocate: this rank makes them; disaggregate:
+    # its rollout rank does), and is busy scoring, running the reference and training
+    trainer_idle = phase("wait") + phase("eval") + phase("generate")
+    trainer_busy = phase("reward") + phase("reference") + phase("train")
+    if plan.mode == "disaggregate":
+        rollout = engine.take_stats()  # the rollout rank's seconds since the last step
+        rollout_busy = rollout["busy_s"] + rollout["sync_s"]
+        rollout_idle = rollout["idle_s"]
+        device_idle = trainer_idle + rollout_idle * plan.layout.rollout / plan.dp
+    else:
+        rollout_busy = phase("generate") + phase("eval")
+        rollout_idle = step_s - rollout_busy
+        # one device takes turns: it idles only while waiting on other ranks
+        device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
+    return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
+            "rollout_idle": rollout_idle, "device_idle": device_idle}

@@ -10,12 +10,14 @@ advantages itself; no rank ever gathers the batch. Only FSDP2's collectives (wei
 all-gather, gradient reduce-scatter), the weight sync and the metric reductions are
 collective. With --placement disaggregate the rollout ranks run `roles.rollout.serve`
 instead, and each trainer talks to its own rollout rank point to point.
+
+The loss is `loss_fn` below; the step loop is at the bottom of the file.
 """
 import os
-import resource
 import signal
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -25,12 +27,15 @@ import placement
 from roles.actor import Actor
 from roles.reference import Reference
 from roles.reward import Reward
-from roles.rollout import RemoteEngine, SamplingParams, make_engine, serve
+from roles.rollout import serve
 from utils import algos, checkpoint, dist
-from utils.data import (BUILTIN, Tokenizer, load_rows, make_batch, micro_batches, prompt_seed, rank_slice,
-                        step_indices, tokenize_rows)
-from utils.logger import Logger
-from utils.model import read_config, save_model
+from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch, micro_batches,
+                        per_sample, prompt_seed, step_prompts, tokenize_rows)
+from utils.engines import SamplingParams, make_engine
+from utils.logger import Logger, Timer
+from utils.model import read_config
+
+MAX = torch.distributed.ReduceOp.MAX
 
 
 @dataclass
@@ -138,30 +143,118 @@ class Args:
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
 
 
-def export_hf(actor, path, rank, tokenizer_dir):
-    """Every rank joins the per-tensor gathers; rank 0 writes a HF checkpoint."""
-    weights = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
-    if rank == 0:
-        save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
+def loss_fn(logp, batch, norm: float, args: Args):
+    """GRPO's loss on one micro-batch (edit here to try another objective): the clipped
+    surrogate against the engine's log-probs with DAPO's clip-higher, plus kl_coef times a KL
+    estimate to the reference policy, each summed over tokens and divided by `norm` (see
+    `algos.aggregate`). logp [n, T]: the policy's log-probs of the completion tokens; batch:
+    utils.data.Batch. Returns (loss, metric sums)."""
+    mask = batch["loss_mask"]  # [n, T]
+    pg, clipped = algos.clipped_surrogate(logp, batch["old_logp"], batch["adv"], args.clip_low,
+                                          args.clip_high)  # [n, T]
+    loss = algos.aggregate(pg, mask, args.loss_agg, norm)
+    sums = {"pg_loss": (pg.detach() * mask).sum(), "clipped_tokens": (clipped & (mask > 0)).sum()}
+    if args.kl_coef > 0:
+        kl = algos.kl_estimate(logp, batch["ref_logp"], args.kl_estimator)  # [n, T]
+        loss = loss + args.kl_coef * algos.aggregate(kl, mask, args.loss_agg, norm)
+        sums["kl"] = (kl.detach() * mask).sum()
+    return loss, sums
 
 
-def step_prompts(rows, step, args, rank, dp):
-    """This rank's rows of `step` and their sampling seeds: per (seed, step, position in the
-    step's batch), never per rank, so that the samples do not depend on the placement."""
-    batch_idx = step_indices(len(rows), step, args.prompts_per_step, args.seed)
-    mine = rank_slice(list(enumerate(batch_idx)), rank, dp)
-    return [rows[i] for _, i in mine], [prompt_seed(args.seed, step, pos) for pos, _ in mine]
+def update(actor, batch, args, plan):
+    """--minibatches optimizer steps on this rank's batch. Each minibatch's loss is normalised by
+    its token (or completion) count over all trainer ranks, so that FSDP's gradient average is
+    the mean over the whole minibatch. Returns the steps' metric sums and maxima."""
+    size = -(-len(batch["adv"]) // args.minibatches)  # rows per minibatch, rounded up
+    minis = list(micro_batches(batch, size))
+    counts = []
+    for mini in minis:
+        if args.loss_agg == "token":
+            counts.append(float(mini["loss_mask"].sum()))
+        else:
+            counts.append(float(len(mini["adv"])))
+    counts = torch.tensor(counts, dtype=torch.float64)
+    torch.distributed.all_reduce(counts, group=plan.trainer_group)
+    # the zero-advantage row skip is exact only while every loss term is proportional to the
+    # advantage: the KL term is not
+    skip = args.kl_coef == 0
+    sums, maxes = {}, {}
+    for mini, count in zip(minis, counts.tolist()):
+        s, m = actor.train_step(mini, partial(loss_fn, args=args), count / plan.dp, skip_zero_adv_rows=skip)
+        for k, v in s.items():
+            sums[k] = sums.get(k, 0) + v
+        for k, v in m.items():
+            maxes[k] = torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v))
+    return sums, maxes
 
 
-def evaluate(engine, scorer, rows, args, rank, dp, group):
+def evaluate(engine, accuracy, rows, args, plan):
     """Held-out accuracy: one sample per prompt at the training temperature, seeded per prompt."""
-    mine = rows[rank::dp]
+    mine = rows[plan.rank::plan.dp]
     params = SamplingParams(1, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
-    out = engine.generate([r["ids"] for r in mine], params, [prompt_seed(args.seed, -1, rank + i * dp)
-                                                             for i in range(len(mine))])
-    correct = scorer.score([r["prompt"] for r in mine], out.texts, {
-        "answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons})[0]
-    return dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=group)
+    seeds = [prompt_seed(args.seed, -1, plan.rank + i * plan.dp) for i in range(len(mine))]
+    out = engine.generate([r["ids"] for r in mine], params, seeds)
+    columns = {"answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons}
+    correct = accuracy.score([r["prompt"] for r in mine], out.texts, columns)[0]
+    total = dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=plan.trainer_group)
+    return total["correct"] / total["count"]
+
+
+def eval_due(step: int, args, eval_rows) -> bool:
+    if not args.eval_every or not eval_rows:
+        return False
+    return step % args.eval_every == 0 or step == args.steps
+
+
+def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, train, sync, timer,
+             skipped_steps):
+    """Reduce this step's numbers over the trainers (one sum, one max); rank 0 prints and writes them."""
+    rewards, parts, failures = scores
+    sums, maxes = train
+    n = args.num_generations
+    groups = rewards.view(-1, n)  # [prompts, n]
+    all_same = (groups.max(-1).values == groups.min(-1).values).sum()
+    step_s = timer.elapsed()
+    phases = placement.phase_metrics(plan, engine, timer.seconds, step_s)
+    staleness = step - out.version
+    parts = {f"reward/{name}": part.sum() for name, part in parts.items()}
+    total = dist.reduce(group=plan.trainer_group, values={
+        **sums, **parts, **phases, "reward": rewards.sum(), "failures": failures, "len": out.lengths.sum(),
+        "truncated": out.finish_reasons.count("length"), "all_same": all_same, "staleness": staleness,
+        "completions": len(rewards), "completion_tokens": batch["loss_mask"].sum()})
+    seconds = timer.seconds
+    peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
+        **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
+        "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device), "step_s": step_s,
+        "staleness": staleness})
+    if plan.rank != 0:
+        return
+    N, T, dp = total["completions"], total["completion_tokens"], plan.dp
+    metrics.update({
+        "rollout/reward": total["reward"] / N, "rollout/response_len": total["len"] / N,
+        "rollout/truncated": total["truncated"] / N, "rollout/groups_all_same": total["all_same"] / (N / n)})
+    for name in parts:
+        metrics[f"rollout/{name}"] = total[name] / N
+    metrics.update({
+        "reward/failures": total["failures"],
+        "train/pg_loss": total["pg_loss"] / T, "train/kl": total.get("kl", 0.0) / T,
+        "train/clip_frac": total["clipped_tokens"] / T, "train/grad_norm": peak["grad_norm"],
+        "train/lr": actor.sched.get_last_lr()[0], "train/skipped_steps": skipped_steps,
+        "train/logprob_gap_mean": total["gap_sum"] / total["trained_tokens"],
+        "train/logprob_gap_max": peak["gap_max"],
+        # the rest had advantage 0 (and no KL term): not run
+        "train/rows_trained": total["rows"] / N,
+        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
+        "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
+        "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
+        "perf/sync_gather_s": peak["sync_gather_s"]})
+    # per role, mean over the trainer ranks (rollout: over the rollout ranks serving them)
+    for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
+        metrics[f"placement/{role}_s"] = total[role] / dp
+    metrics.update({
+        "placement/idle_share": total["device_idle"] / (plan.layout.world * peak["step_s"]),
+        "placement/staleness_max": peak["staleness"], "placement/staleness_mean": total["staleness"] / dp})
+    log.log(step, metrics)
 
 
 if __name__ == "__main__":
@@ -176,204 +269,130 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.max_prompt_tokens + args.max_new_tokens
-    if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, until told to stop
+    local_engine = partial(make_engine, args.engine, args.model, cfg, tok, device, param_dtype, max_len,
+                           args.seed)
+    if plan.role == "rollout":
+        # disaggregate: this rank only generates, in its own loop (roles/rollout.py), until told to stop
         t = time.perf_counter()
-        engine = make_engine(args.engine, args.model, cfg, tok, device, param_dtype, max_len, args.seed,
-                             own_process=True)  # a vLLM of its own world: the trainers do not join its groups
-        if rank == plan.layout.dp:  # the first rollout rank
-            print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
-        serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
+        engine = placement.engine_for(plan, local_engine)
+        if rank == plan.dp:  # the first rollout rank
+            ready_s = time.perf_counter() - t
+            print(f"rollout ranks: {type(engine).__name__}, ready in {ready_s:.0f}s", flush=True)
+        serve(plan, engine)
         engine.close()
         dist.exit_now(0)
-    dp, group = plan.dp, plan.group  # the trainer ranks (all ranks in colocate)
 
     # data: every rank tokenises the same rows and later takes its own slice of each step
-    rows, skipped = tokenize_rows(load_rows(args.dataset, "train", args.prompt_column, args.answer_column, args.seed),
-                                  tok, args.max_prompt_tokens)
-    eval_source = args.eval_dataset or (BUILTIN if args.dataset == BUILTIN else None)
-    if eval_source is None and not os.path.exists(args.dataset):
-        eval_source = args.dataset  # a hub id: its test split
+    train_rows = load_rows(args.dataset, "train", args.prompt_column, args.answer_column, args.seed)
+    rows, skipped = tokenize_rows(train_rows, tok, args.max_prompt_tokens)
+    held_out = eval_source(args.dataset, args.eval_dataset)
     eval_rows = []
-    if eval_source and args.eval_every:
-        eval_rows = tokenize_rows(load_rows(eval_source, "test", args.prompt_column, args.answer_column, args.seed),
-                                  tok, args.max_prompt_tokens)[0][:args.eval_prompts]
+    if held_out and args.eval_every:
+        test_rows = load_rows(held_out, "test", args.prompt_column, args.answer_column, args.seed)
+        eval_rows = tokenize_rows(test_rows, tok, args.max_prompt_tokens)[0][:args.eval_prompts]
 
     # roles
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
-                  args.max_grad_norm, param_dtype)
-    ref = Reference(args.model, plan.mesh, device, param_dtype) if args.kl_coef > 0 else None
-    reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s, args.code_memory_mb)
-    reward_eval = Reward(["accuracy"])
-    if args.placement == "disaggregate":  # this rank's rollout rank, behind the engine interface
-        engine = RemoteEngine(plan.peer, actor.weight_specs(), int(args.sync_bucket_mb * 2**20), plan.sync_group,
-                              plan.requests, rank == 0, device)
-    else:
-        engine = make_engine(args.engine, args.model, actor.config, tok, device, param_dtype, max_len, args.seed)
-    sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
+                  args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size)
+    ref = None
+    if args.kl_coef > 0:
+        ref = Reference(args.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
+    reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s,
+                    args.code_memory_mb)
+    accuracy = Reward(["accuracy"])  # the held-out metric
+    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), int(args.sync_bucket_mb * 2**20))
+    sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k,
+                              args.max_new_tokens)
 
-    # resume: the sharded state of the newest complete checkpoint (a partial one is skipped)
-    start = 0
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    path, partial = checkpoint.find(args.run_dir) if args.resume == "auto" or args.resume == "restart" and restarted \
-        else (None, [])
-    if args.resume not in ("auto", "restart", "none"):
-        path = args.resume
-    elif not path and rank == 0 and checkpoint.find(args.run_dir)[0]:
-        print(f"{args.run_dir} holds checkpoints of an earlier run: starting afresh (--resume auto continues it)",
-              flush=True)
-    if partial and rank == 0:
-        print(f"ignoring incomplete checkpoint(s): {partial}", flush=True)
-    if path:
-        start = checkpoint.load(path, actor, rank)["step"]  # steps done
-        if rank == 0:
-            print(f"resumed from {path}: continuing at step {start + 1}", flush=True)
+    start = checkpoint.resume(args.run_dir, args.resume, actor, rank)  # steps already done
     stop = {"sigterm": False}  # torchrun (or a scheduler) asks us to stop: save, then exit
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
-    log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start) if rank == 0 else None
+    log = None
     if rank == 0:
-        print(f"{world} rank(s), {args.placement} ({dp} trainer(s)), {type(engine).__name__}; model {args.model} "
-              f"({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts ({skipped} over "
-              f"--max-prompt-tokens skipped), {len(eval_rows)} eval",
-              flush=True)
+        log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start)
+        print(f"{world} rank(s), {args.placement} ({plan.dp} trainer(s)), {type(engine).__name__}; model "
+              f"{args.model} ({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts "
+              f"({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
 
-    per_rank = args.prompts_per_step // dp
-    skipped_steps, stopped = 0, False  # stopped: some rank was asked to stop (SIGTERM)
-    in_flight, submitted = {}, start  # step -> (this rank's rows, request): rollouts sent ahead of training
+    n = args.num_generations
+    skipped_steps = 0
+    stopped = False  # some rank was asked to stop (SIGTERM)
+    in_flight = {}  # step -> (this rank's rows, ticket): rollouts sent ahead of training
+    submitted = start  # the next step whose prompts go out
     for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
-        t_step = time.perf_counter()
+        timer = Timer()
         metrics = {}
-        # weight sync: the policy after `step` updates goes to this rank's engine (colocate) or is
-        # broadcast in buckets to the rollout ranks (disaggregate), once they have answered every
-        # request sent ahead (they serve in order)
-        t = time.perf_counter()
-        engine.collect()
-        wait_s = time.perf_counter() - t
-        sync = placement.sync(actor, engine, version=step)
-        t = time.perf_counter()
-        if args.eval_every and eval_rows and (step % args.eval_every == 0 or step == args.steps):
-            e = evaluate(engine, reward_eval, eval_rows, args, rank, dp, group)
-            metrics["eval/accuracy"] = e["correct"] / e["count"]
-        eval_s = time.perf_counter() - t
+        # sync: the policy after `step` updates goes to this rank's engine (colocate) or is
+        # broadcast to the rollout ranks (disaggregate) once they have answered every request
+        # sent ahead (they serve in order)
+        with timer("wait"):
+            engine.collect()
+        with timer("sync"):
+            sync = placement.sync(plan, actor, engine, version=step)
+        if eval_due(step, args, eval_rows):
+            with timer("eval"):
+                metrics["eval/accuracy"] = evaluate(engine, accuracy, eval_rows, args, plan)
         if step == args.steps:
-            placement.release(engine)
+            engine.release()
             if rank == 0:
                 log.log(step - 1, {"final": True, **metrics})
             break
 
-        # rollout: this rank's prompts only. With --max-staleness S the prompts of up to S steps ahead
-        # go out too, so that the rollout ranks generate them while this rank trains; their samples are
-        # then up to S versions old, and the ratio to the engine's log-probs corrects for it
-        t = time.perf_counter()
-        while submitted <= min(step + args.max_staleness, args.steps - 1):
-            ahead, seeds = step_prompts(rows, submitted, args, rank, dp)
-            in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
-            submitted += 1
-        local, request = in_flight.pop(step)
-        out = engine.result(request)
-        gen_s = time.perf_counter() - t  # colocate: generating; disaggregate: waiting for the samples
-        placement.release(engine)
-        prompts = [r["ids"] for r in local]
+        # rollout: this rank's prompts only. With --max-staleness S the prompts of up to S steps
+        # ahead go out too, so that the rollout ranks generate them while this rank trains; their
+        # samples are then up to S versions old, and the ratio to the engine's log-probs corrects it
+        with timer("generate"):
+            while submitted <= min(step + args.max_staleness, args.steps - 1):
+                ahead, seeds = step_prompts(rows, submitted, args.prompts_per_step, args.seed, rank, plan.dp)
+                in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
+                submitted += 1
+            local, ticket = in_flight.pop(step)
+            out = engine.result(ticket)
+        engine.release()
 
-        t_busy = time.perf_counter()
-        # reward and group advantages, all local to this controller
-        n = args.num_generations
-        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 (per prompt -> per sample)
-        columns = {k: rep([r.get(k) for r in local]) for k in local[0] if k not in ("prompt", "text", "ids")}
-        rewards, parts, failures = reward.score(rep([r["prompt"] for r in local]), out.texts,
-                                                {**columns, "finish_reason": out.finish_reasons})
-        adv = algos.group_advantages(rewards.view(per_rank, n), args.scale_std).view(-1)  # [N]
+        # reward: this controller scores its own samples
+        with timer("reward"):
+            columns = dataset_columns(local, n)  # answer and the rest, one value per completion
+            columns["finish_reason"] = out.finish_reasons
+            prompts = per_sample([r["prompt"] for r in local], n)
+            rewards, parts, failures = reward.score(prompts, out.texts, columns)  # [N]
 
-        batch = make_batch(rep(prompts), out.tokens, out.lengths, tok.pad_id, device)
-        batch.update(behaviour=out.logprobs.to(device), adv=adv.to(device))
-        t = time.perf_counter()
+        # advantages: group-relative, one per completion, the same for each of its tokens
+        adv = algos.group_advantages(rewards.view(-1, n), args.scale_std).view(-1, 1)  # [N, 1]
+        prompt_ids = per_sample([r["ids"] for r in local], n)
+        batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
+        batch["old_logp"] = out.logprobs.to(device)  # [N, T]
+        batch["adv"] = adv.to(device).expand_as(batch["loss_mask"])  # [N, T]
         if ref:
-            batch["ref"] = ref.logprobs(batch, args.temperature, args.micro_batch_size)
-        ref_s = time.perf_counter() - t
+            with timer("reference"):
+                batch["ref_logp"] = ref.logprobs(batch)  # [N, T]
 
-        # update: each minibatch's loss is normalised by its token (or sequence) count over all ranks
-        minis = list(micro_batches(batch, -(-len(rewards) // args.minibatches)))
-        counts = dist.reduce(group=group, values={"tokens": batch["mask"].sum(), "seqs": len(rewards), **{
-            f"norm{i}": m["mask"].sum() if args.loss_agg == "token" else len(m["adv"]) for i, m in enumerate(minis)}})
-        t = time.perf_counter()
-        sums, maxes = {}, {}
-        for i, mini in enumerate(minis):
-            s, m = actor.train_step(
-                mini, temperature=args.temperature, clip_low=args.clip_low, clip_high=args.clip_high,
-                kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                norm=counts[f"norm{i}"] / dp, micro_batch_size=args.micro_batch_size)
-            sums = {k: sums.get(k, 0) + v for k, v in s.items()}
-            maxes = {k: torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v)) for k, v in m.items()}
-        train_s = time.perf_counter() - t
-        busy_s = time.perf_counter() - t_busy  # the trainer role's own work: reward, reference, update
+        # update
+        with timer("train"):
+            train = update(actor, batch, args, plan)
 
-        # where the time went, per role. The trainer role waits while samples are made (colocate: this
-        # rank makes them; disaggregate: its rollout rank does). `device_idle` is the seconds in which
-        # this rank's device (and, disaggregate, its share of its rollout rank's) had nothing to do
-        step_s = time.perf_counter() - t_step
-        if args.placement == "disaggregate":
-            roll = engine.take_stats()  # the rollout rank's seconds since the last step
-            roll_busy, roll_idle = roll["busy_s"] + roll["sync_s"], roll["idle_s"]
-            device_idle = wait_s + gen_s + eval_s + roll_idle * plan.layout.rollout / dp
-        else:
-            roll_busy = gen_s + eval_s
-            roll_idle = step_s - roll_busy
-            device_idle = max(0.0, step_s - roll_busy - busy_s - sync["sync_s"])  # waits on other ranks only
-
-        # metrics: one sum-reduce and one max-reduce over the trainers; rank 0 prints and writes them
-        groups = rewards.view(per_rank, n)
-        total = dist.reduce(group=group, values={
-            **sums, **{f"reward/{k}": v.sum() for k, v in parts.items()}, "reward": rewards.sum(),
-            "failures": failures, "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
-            "all_same": (groups.max(-1).values == groups.min(-1).values).sum(), "staleness": step - out.version,
-            "trainer_busy": busy_s, "trainer_idle": wait_s + gen_s + eval_s, "rollout_busy": roll_busy,
-            "rollout_idle": roll_idle, "device_idle": device_idle})
-        mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30  # GPU memory, else RSS
-        peak = dist.reduce({**maxes, "gen_s": gen_s, "ref_s": ref_s, "train_s": train_s, **sync, "mem_gib": mem,
-                            "step_s": step_s, "staleness": step - out.version, "sigterm": stop["sigterm"]},
-                           op=torch.distributed.ReduceOp.MAX, group=group)
-        skipped_steps += int(peak["skipped"])
-        if rank == 0:
-            N, T = counts["seqs"], counts["tokens"]
-            metrics.update({
-                "rollout/reward": total["reward"] / N, "rollout/response_len": total["len"] / N,
-                "rollout/truncated": total["truncated"] / N, "rollout/groups_all_same": total["all_same"] / (N / n),
-                **{f"rollout/{k}": v / N for k, v in total.items() if k.startswith("reward/")},
-                "reward/failures": total["failures"],
-                "train/pg_loss": total["pg_loss"] / T, "train/kl": total["kl"] / T,
-                "train/clip_frac": total["clipped_tokens"] / T, "train/grad_norm": peak["grad_norm"],
-                "train/lr": actor.sched.get_last_lr()[0], "train/skipped_steps": skipped_steps,
-                "train/logprob_gap_mean": total["gap_sum"] / total["tokens"], "train/logprob_gap_max": peak["gap_max"],
-                "train/rows_trained": total["rows"] / N,  # the rest had advantage 0 (and no KL term): skipped
-                "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
-                "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
-                "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
-                "perf/sync_gather_s": peak["sync_gather_s"],
-                # per role, mean over trainer ranks (rollout: over the rollout ranks serving them)
-                **{f"placement/{k}_s": total[k] / dp for k in ("trainer_busy", "trainer_idle", "rollout_busy",
-                                                               "rollout_idle")},
-                "placement/idle_share": total["device_idle"] / (world * peak["step_s"]),
-                "placement/staleness_max": peak["staleness"], "placement/staleness_mean": total["staleness"] / dp,
-            })
-            log.log(step, metrics)
+        # log, then stop together: NaN/inf steps and SIGTERM are agreed over the trainers
+        halt = dist.reduce({"skipped": train[1]["skipped"], "sigterm": stop["sigterm"]}, op=MAX,
+                           group=plan.trainer_group)
+        skipped_steps += int(halt["skipped"])
+        log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failures), batch, train,
+                 sync, timer, skipped_steps)
         if skipped_steps > args.max_skipped_steps:
             raise SystemExit(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
-                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. The last "
-                             f"complete checkpoint is in {args.run_dir}/checkpoints")
+                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. The "
+                             f"last complete checkpoint is in {args.run_dir}/checkpoints")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
-            export_hf(actor, os.path.join(args.run_dir, "hf", f"step_{step + 1}"), rank, args.model)
-        if peak["sigterm"] or (args.save_every and (step + 1) % args.save_every == 0):
-            saved = checkpoint.save(args.run_dir, step + 1, actor, args.keep_last, rank)
-            if rank == 0 and saved["error"]:
-                print(f"checkpoint after step {step + 1} FAILED ({saved['error']}); the previous one "
-                      f"({checkpoint.find(args.run_dir)[0]}) is intact; training goes on", flush=True)
-            elif rank == 0:
-                print(f"saved {saved['path']} in {saved['seconds']:.2f}s", flush=True)
-            if peak["sigterm"]:
-                stopped = True
-                break
-    if args.save_final and not stopped:  # the same on every rank (reduced): the export is collective
-        export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
+            path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
+            checkpoint.export_hf(actor, path, rank, args.model)
+        save_due = args.save_every and (step + 1) % args.save_every == 0
+        if halt["sigterm"] or save_due:
+            checkpoint.save_and_report(args.run_dir, step + 1, actor, args.keep_last, rank)
+        if halt["sigterm"]:
+            stopped = True
+            break
+    # `stopped` is the same on every rank (reduced), as it must be: the export is collective
+    if args.save_final and not stopped:
+        checkpoint.export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
     if rank == 0:
         log.close()
     engine.close()  # before the process group: vLLM built its own groups on it

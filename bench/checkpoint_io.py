@@ -9,12 +9,14 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
+from train_grpo import Args, loss_fn  # noqa: E402
 from utils import checkpoint, dist  # noqa: E402
 from utils.data import make_batch  # noqa: E402
 from utils.tiny import random_checkpoint  # noqa: E402
@@ -34,9 +36,8 @@ rows = []
 for name, path in (("arith-tiny (default)", "assets/arith-tiny"), ("random ~100M", big)):
     actor = Actor(path, plan.mesh, device, lr=1e-5, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)
     b = make_batch([[1, 2, 3]] * 4, torch.ones(4, 4, dtype=torch.long), torch.full((4,), 4), 0)
-    b.update(behaviour=torch.zeros(4, 4), adv=torch.ones(4))
-    actor.train_step(b, temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k3",
-                     loss_agg="token", norm=16.0, micro_batch_size=4)  # the optimizer has its state now
+    b.update(old_logp=torch.zeros(4, 4), adv=torch.ones(4, 4))
+    actor.train_step(b, partial(loss_fn, args=Args()), norm=16.0)  # the optimizer has its state now
     run = os.path.join(work, name.split()[0])
     saves, loads = [], []
     for i in range(3):

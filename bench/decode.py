@@ -16,7 +16,7 @@ import time
 import torch
 from common import matmul_gflops, qwen2_checkpoint
 
-from roles.rollout import NativeEngine, SamplingParams
+from utils.engines import NativeEngine, SamplingParams
 from utils.data import Tokenizer
 from utils.decode import _linear
 from utils.model import flops_per_token, iter_checkpoint, read_config

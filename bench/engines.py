@@ -11,7 +11,7 @@ import time
 import torch
 from common import qwen2_checkpoint
 
-from roles.rollout import NativeEngine, SamplingParams, VLLMEngine
+from utils.engines import NativeEngine, SamplingParams, VLLMEngine
 from utils import dist
 from utils.data import Tokenizer
 from utils.model import iter_checkpoint, read_config

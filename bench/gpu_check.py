@@ -21,7 +21,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from roles.rollout import NativeEngine, SamplingParams  # noqa: E402
+from utils.engines import NativeEngine, SamplingParams  # noqa: E402
 from utils.data import Tokenizer  # noqa: E402
 from utils.model import ModelConfig, build, flops_per_token, iter_checkpoint, save_model  # noqa: E402
 from utils.tiny import make_tokenizer  # noqa: E402

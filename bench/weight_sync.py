@@ -20,9 +20,10 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
-from roles.rollout import NativeEngine, RemoteEngine, serve  # noqa: E402
+from roles.rollout import RemoteEngine, serve  # noqa: E402
 from utils import dist  # noqa: E402
 from utils.data import Tokenizer  # noqa: E402
+from utils.engines import NativeEngine  # noqa: E402
 from utils.model import read_config  # noqa: E402
 from utils.tiny import random_checkpoint  # noqa: E402
 
@@ -41,7 +42,7 @@ if rank == 0:
     random_checkpoint(path, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
 tdist.barrier()
-sync_group, med = plan.sync_group, statistics.median
+sync_group, med = plan.weight_group, statistics.median
 
 
 def timed(fn):
@@ -68,21 +69,21 @@ if plan.role == "rollout":
         results[mb] = (med(recv), med(load), len(buckets))
     raw = [timed(lambda: tdist.broadcast(flat, src=0, group=sync_group)) for _ in range(a.reps)]
     dist.wait_all(dist.isend_obj((results, med(raw)), 0))
-    serve(engine, plan.trainers, sync_group, plan.requests, device)  # the end-to-end part: placement.sync as a run does it
+    serve(plan, engine)  # the end-to-end part: placement.sync as a run does it
 else:
     actor = Actor(path, plan.mesh, device, lr=1e-5, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)
     specs = actor.weight_specs()
     total = sum(torch.Size(s).numel() * d.itemsize for _, s, d in specs)
     gather = []
     for _ in range(a.reps):
-        tdist.barrier(group=plan.group)
+        tdist.barrier(group=plan.trainer_group)
         t = time.perf_counter()
         for _ in actor.full_weights():
             pass
         gather.append(time.perf_counter() - t)
     full = [(n, t.clone()) for n, t in actor.full_weights()]  # gathered once for the broadcast-only timings
     if rank == 0:
-        dist.wait_all(dist.isend_obj(specs, plan.trainers[0] if plan.trainers else world - 1))
+        dist.wait_all(dist.isend_obj(specs, world - 1))
         flat, bufs = torch.empty(total // 4, dtype=torch.float32), {}
         for mb in a.buckets_mb:
             buckets = dist.plan_buckets(specs, int(mb * 2**20))
@@ -94,8 +95,8 @@ else:
     del full
     e2e = {}
     for mb in a.buckets_mb:
-        engine = RemoteEngine(plan.peer, specs, int(mb * 2**20), sync_group, plan.requests, rank == 0, device)
-        e2e[mb] = med([placement.sync(actor, engine, version=i)["sync_s"] for i in range(a.reps)])
+        engine = RemoteEngine(plan, specs, int(mb * 2**20))
+        e2e[mb] = med([placement.sync(plan, actor, engine, version=i)["sync_s"] for i in range(a.reps)])
     engine.close()
     if rank == 0:
         gb = total / 1e9

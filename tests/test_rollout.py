@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from roles.rollout import NativeEngine, SamplingParams
+from utils.engines import NativeEngine, SamplingParams
 from conftest import hf_checkpoint
 from utils.decode import inverse_cdf, sample_tokens, uniforms
 from utils.data import Tokenizer, arith_rows

@@ -41,7 +41,7 @@ def test_grpo_with_vllm_reports_the_logprob_gap(tmp_path):
 def test_asking_for_vllm_without_it_says_how_to_install():
     """Runs whether or not vLLM is installed: the import is made to fail in a subprocess."""
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from roles.rollout import VLLMEngine\n"
+            "from utils.engines import VLLMEngine\n"
             "VLLMEngine('assets/arith-tiny', None, 'cpu', 'float32', 64)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0

@@ -32,12 +32,12 @@ def kl_estimate(logp, ref_logp, kind: str):
 
 def clipped_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float):
     """PPO's clipped objective as a per-token loss (Schulman et al. 2017, eq. 7), with DAPO's
-    decoupled clip range [1 - clip_low, 1 + clip_high] (Yu et al. 2025).
-    logp, old_logp [B, T]; adv [B] -> (loss [B, T], clipped [B, T] bool)."""
+    decoupled clip range [1 - clip_low, 1 + clip_high] (Yu et al. 2025). Advantages are per
+    token (GAE gives one per token; GRPO broadcasts one per completion over its tokens).
+    logp, old_logp, adv [B, T] -> (loss [B, T], clipped [B, T] bool)."""
     ratio = torch.exp(logp - old_logp)  # [B, T]
-    a = adv[:, None]  # [B, 1]
-    unclipped = ratio * a
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
+    unclipped = ratio * adv  # [B, T]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv  # [B, T]
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 

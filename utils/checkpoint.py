@@ -111,6 +111,28 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
     return {"seconds": time.perf_counter() - t, "path": final, "error": None}
 
 
+def save_and_report(run_dir: str, step: int, actor, keep: int, rank: int):
+    """`save`, and rank 0 says how it went; a failed save does not stop the run."""
+    saved = save(run_dir, step, actor, keep, rank)
+    if rank != 0:
+        return
+    if saved["error"]:
+        print(f"checkpoint after step {step} FAILED ({saved['error']}); the previous one "
+              f"({find(run_dir)[0]}) is intact; training goes on", flush=True)
+    else:
+        print(f"saved {saved['path']} in {saved['seconds']:.2f}s", flush=True)
+
+
+def export_hf(actor, path: str, rank: int, tokenizer_dir: str):
+    """A HF checkpoint of the policy (safetensors, config, tokenizer): every rank joins the
+    per-tensor gathers, rank 0 writes."""
+    from utils.model import save_model
+
+    weights = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
+    if rank == 0:
+        save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
+
+
 def load(path: str, actor, rank: int) -> dict:
     """Collective: restores model and optimizer shards, LR schedule and RNG; returns meta."""
     with open(os.path.join(path, "meta.json")) as f:
@@ -136,3 +158,31 @@ def load(path: str, actor, rank: int) -> dict:
             rng = base64.b64decode(json.load(f)["torch_rng"])
         torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
     return meta
+
+
+def resume(run_dir: str, how: str, actor, rank: int) -> int:
+    """Continue from a checkpoint as --resume says; returns the steps already done (0: afresh).
+
+    restart: the newest complete checkpoint in run_dir, only when torchrun has restarted the job
+      (--max-restarts), so that a new launch into an old run_dir starts afresh;
+    auto: the newest complete checkpoint in run_dir whenever there is one;
+    none: never; anything else: the path of a checkpoint. Partial checkpoints are skipped."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    newest, partial = find(run_dir)
+    looked = how == "auto" or (how == "restart" and restarted)  # in run_dir
+    path = None
+    if looked:
+        path = newest
+    elif how not in ("restart", "none"):
+        path = how
+    if rank == 0 and newest and not path:
+        print(f"{run_dir} holds checkpoints of an earlier run: starting afresh (--resume auto continues it)",
+              flush=True)
+    if rank == 0 and looked and partial:
+        print(f"ignoring incomplete checkpoint(s): {partial}", flush=True)
+    if not path:
+        return 0
+    step = load(path, actor, rank)["step"]
+    if rank == 0:
+        print(f"resumed from {path}: continuing at step {step + 1}", flush=True)
+    return step

@@ -9,8 +9,12 @@ controllers: nobody gathers the batch), and each prompt's sampling seed depends 
 import json
 import os
 import random
+from typing import TYPE_CHECKING, TypedDict
 
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN = "builtin:arith"
 EOS = "<|endoftext|>"
@@ -205,6 +209,40 @@ def step_indices(n_rows: int, step: int, batch: int, seed: int) -> list[int]:
     return out
 
 
+def step_prompts(rows: list[dict], step: int, per_step: int, seed: int, rank: int, dp: int):
+    """This rank's rows of `step` and their sampling seeds: per (seed, step, position in the
+    step's global batch), never per rank, so that the samples do not depend on the placement.
+    Each rank takes its own slice: no rank gathers the batch."""
+    batch = step_indices(len(rows), step, per_step, seed)
+    mine = rank_slice(list(enumerate(batch)), rank, dp)
+    return [rows[i] for _, i in mine], [prompt_seed(seed, step, pos) for pos, _ in mine]
+
+
+def per_sample(values: list, n: int) -> list:
+    """One value per prompt -> one per completion (prompt-major, as the engines return them)."""
+    return [v for v in values for _ in range(n)]
+
+
+def dataset_columns(rows: list[dict], n: int) -> dict[str, list]:
+    """The rows' dataset columns other than the prompt (the answer, tests, ...), one value per
+    completion: what reward functions get as keyword arguments."""
+    columns = {}
+    for key in rows[0]:
+        if key not in ("prompt", "text", "ids"):
+            columns[key] = per_sample([r.get(key) for r in rows], n)
+    return columns
+
+
+def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
+    """Where held-out prompts come from: --eval-dataset, else the built-in task's eval split,
+    else a hub id's test split; a local file has none."""
+    if eval_dataset is not None:
+        return eval_dataset
+    if dataset == BUILTIN or not os.path.exists(dataset):
+        return dataset
+    return None
+
+
 def rank_slice(items: list, rank: int, world: int) -> list:
     if len(items) % world:
         raise ValueError(f"the global batch of {len(items)} prompts does not split over {world} ranks; "
@@ -218,11 +256,29 @@ def prompt_seed(seed: int, step: int, index: int) -> int:
     return random.Random(f"{seed}-{step}-{index}").getrandbits(31)
 
 
-def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu") -> dict:
-    """Training layout: left-padded prompt then right-padded completion, one row per sample.
-    prompts: one id list per row; tokens [N, T], lengths [N] from the engine. Returns
-    input_ids [N, P+T], valid [N, P+T] (False = padding), mask [N, T] (completion tokens, float)
-    and prompt_len P."""
+class Batch(TypedDict, total=False):
+    """One rank's training rows, one per completion: the names used in every file.
+
+        input_ids   [N, P+T] long   left-padded prompt, then the completion, right-padded
+        valid       [N, P+T] bool   attention mask: False on padding
+        prompt_len  int             P: completion token t sits at column P + t
+        loss_mask   [N, T]   float  1 on completion tokens (what the loss sees), 0 on padding
+        old_logp    [N, T]   float  the engine's log-prob of each sampled token (the ratio's denominator)
+        ref_logp    [N, T]   float  the reference policy's log-prob (only with a KL term)
+        adv         [N, T]   float  advantage per completion token (GRPO: its completion's, broadcast)
+    """
+    input_ids: "torch.Tensor"
+    valid: "torch.Tensor"
+    prompt_len: int
+    loss_mask: "torch.Tensor"
+    old_logp: "torch.Tensor"
+    ref_logp: "torch.Tensor"
+    adv: "torch.Tensor"
+
+
+def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu") -> Batch:
+    """The training layout of a rank's samples (input_ids, valid, prompt_len, loss_mask of
+    `Batch`). prompts: one id list per row; tokens [N, T], lengths [N] from the engine."""
     import torch
 
     N, T = tokens.shape
@@ -232,11 +288,11 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     for i, p in enumerate(prompts):
         input_ids[i, P - len(p):P] = torch.tensor(p)
         valid[i, P - len(p):P] = True
-    mask = torch.arange(T)[None] < lengths[:, None]  # [N, T]
-    input_ids[:, P:] = torch.where(mask, tokens, pad_id)
-    valid[:, P:] = mask
-    return {"input_ids": input_ids.to(device), "valid": valid.to(device), "mask": mask.float().to(device),
-            "prompt_len": P}
+    completion = torch.arange(T)[None] < lengths[:, None]  # [N, T]
+    input_ids[:, P:] = torch.where(completion, tokens, pad_id)
+    valid[:, P:] = completion
+    return {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
+            "loss_mask": completion.float().to(device)}
 
 
 def take_rows(batch: dict, rows) -> dict:

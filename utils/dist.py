@@ -4,6 +4,7 @@ import datetime
 import math
 import os
 import pickle
+import resource
 import sys
 
 import torch
@@ -226,6 +227,13 @@ def wait_all(handles: list) -> list:
     for work, _ in handles:
         work.wait()
     return []
+
+
+def peak_memory_gib(device) -> float:
+    """Peak GPU memory allocated on a GPU, else this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
 def reduce(values: dict, op=dist.ReduceOp.SUM, group=None) -> dict[str, float]:

@@ -1,8 +1,16 @@
 """Rank 0's metrics: one printed line per step, the same numbers appended to a JSONL file,
-and wandb when asked (imported only then)."""
+and wandb when asked (imported only then); a timer for a step's phases; and a comparison of
+two runs' metrics files.
+
+    python -m utils.logger runs/a/metrics.jsonl runs/b/metrics.jsonl   # same run, timings aside?
+"""
 import json
 import os
+import sys
 import time
+from contextlib import contextmanager
+
+TIMING_PREFIXES = ("perf/", "placement/")  # wall-clock numbers: they differ between any two runs
 
 
 class Logger:
@@ -53,3 +61,59 @@ class Logger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class Timer:
+    """Seconds per phase of one step: `with timer("generate"): ...` adds to timer.seconds["generate"]."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    """The rows of a metrics file without its wall-clock keys (perf/, placement/)."""
+    kept = []
+    for row in rows:
+        kept.append({k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)})
+    return kept
+
+
+def differences(a: list[dict], b: list[dict]) -> list[str]:
+    """Where two runs' metrics differ, timings aside: one line per differing step and key."""
+    a, b = without_timings(a), without_timings(b)
+    if len(a) != len(b):
+        return [f"{len(a)} rows against {len(b)}"]
+    out = []
+    for row_a, row_b in zip(a, b):
+        for key in sorted(set(row_a) | set(row_b)):
+            if row_a.get(key) != row_b.get(key):
+                out.append(f"step {row_a.get('step')} {key}: {row_a.get(key)} != {row_b.get(key)}")
+    return out
+
+
+if __name__ == "__main__":
+    first, second = sys.argv[1:3]
+    rows = read_metrics(first)
+    diff = differences(rows, read_metrics(second))
+    keys = {k for r in without_timings(rows) for k in r}
+    print("\n".join(diff[:50]))
+    print(f"{len(rows)} rows, {len(keys)} keys compared (perf/ and placement/ left out): "
+          f"{'identical' if not diff else f'{len(diff)} differences'}")
+    sys.exit(1 if diff else 0)

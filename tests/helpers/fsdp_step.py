@@ -2,6 +2,7 @@
 (each rank takes its rows), then rank 0 writes the gathered full weights."""
 import os
 import sys
+from functools import partial
 
 import torch
 from safetensors.torch import save_file
@@ -9,6 +10,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
+from train_grpo import Args, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
 from utils.data import make_batch, rank_slice  # noqa: E402
 from utils.model import load_model  # noqa: E402
@@ -16,7 +18,8 @@ from utils.model import load_model  # noqa: E402
 model_dir, out, loss_agg, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 rank, world, device = dist.init(timeout_s=60)
 plan = placement.plan("colocate", rank, world, device, prompts_per_step=world)
-actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0)
+actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
+              temperature=0.9, micro_batch_size=micro)
 
 # the gathered weights equal the checkpoint's, exactly
 full = {k: v.clone() for k, v in actor.full_weights()}  # each is valid until the next: copy
@@ -31,14 +34,14 @@ prompts = [torch.randint(1, 200, (int(torch.randint(2, 6, (1,), generator=g)),),
 tokens = torch.randint(1, 200, (N, T), generator=g)
 lengths = torch.randint(1, T + 1, (N,), generator=g)
 batch = make_batch(prompts, tokens, lengths, 0)
-batch["behaviour"] = -torch.rand(N, T, generator=g) * 3
+batch["old_logp"] = -torch.rand(N, T, generator=g) * 3
 adv = torch.randn(N, generator=g)
-norm = (batch["mask"].sum().item() if loss_agg == "token" else N) / world
+norm = (batch["loss_mask"].sum().item() if loss_agg == "token" else N) / world
 rows = rank_slice(list(range(N)), rank, world)
-batch["adv"] = adv
+batch["adv"] = adv[:, None].expand(N, T)
 mine = {k: (v[rows[0]:rows[-1] + 1] if torch.is_tensor(v) else v) for k, v in batch.items()}
-actor.train_step(mine, temperature=0.9, clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-                 kl_estimator="k3", loss_agg=loss_agg, norm=norm, micro_batch_size=micro)
+loss = partial(loss_fn, args=Args(clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg=loss_agg))
+actor.train_step(mine, loss, norm)
 after = {k: v.clone() for k, v in actor.full_weights()}
 if rank == 0:
     save_file(after, out)

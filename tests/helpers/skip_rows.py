@@ -1,9 +1,10 @@
 """Run under torchrun by tests/test_fsdp.py: one FSDP2 train step where some rows have advantage
-0, once with those rows skipped (the actor's default) and once with every row run. Rank 0
+0, once with those rows skipped (skip_zero_adv_rows) and once with every row run. Rank 0
 writes both steps' full gradients and the rows each rank trained."""
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 from safetensors.torch import save_file
@@ -11,6 +12,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
+from train_grpo import Args, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
 from utils.data import make_batch  # noqa: E402
 
@@ -22,9 +24,8 @@ ADV = [[0.0, 1.2, 0.0, -0.5, 0.3, 0.0], [0.0, 0.0, 0.7, 0.0, 0.0, 0.0]]
 
 
 def step(skip: bool):
-    actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1e9)
-    if not skip:
-        actor.rows_to_train = lambda batch: batch
+    actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1e9,
+                  temperature=1.0, micro_batch_size=2)
     grads, opt_step = {}, actor.opt.step
 
     def capture():  # the full gradients as the optimizer sees them
@@ -36,9 +37,10 @@ def step(skip: bool):
     N, T = 6, 5
     prompts = [torch.randint(1, 200, (3,), generator=g).tolist() for _ in range(N)]
     batch = make_batch(prompts, torch.randint(1, 200, (N, T), generator=g), torch.full((N,), T), 0)
-    batch.update(behaviour=-torch.rand(N, T, generator=g) * 3, adv=torch.tensor(ADV[rank]))
-    sums, _ = actor.train_step(batch, temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.0, kl_estimator="k3",
-                               loss_agg="token", norm=N * T, micro_batch_size=2)
+    batch["old_logp"] = -torch.rand(N, T, generator=g) * 3
+    batch["adv"] = torch.tensor(ADV[rank])[:, None].expand(N, T)
+    loss = partial(loss_fn, args=Args(clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg="token"))
+    sums, _ = actor.train_step(batch, loss, norm=N * T, skip_zero_adv_rows=skip)
     return grads, dist.reduce({f"rows{rank}": sums["rows"], f"rows{1 - rank}": 0}, group=actor.group)
 
 

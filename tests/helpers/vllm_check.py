@@ -7,7 +7,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from roles.rollout import NativeEngine, SamplingParams, VLLMEngine  # noqa: E402
+from utils.engines import NativeEngine, SamplingParams, VLLMEngine  # noqa: E402
 from utils import dist  # noqa: E402
 from utils.data import Tokenizer, arith_rows  # noqa: E402
 from utils.model import iter_checkpoint, read_config  # noqa: E402

@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
-from roles.rollout import Engine, RemoteEngine, serve  # noqa: E402
+from roles.rollout import RemoteEngine, serve  # noqa: E402
 from utils import dist  # noqa: E402
+from utils.engines import Engine  # noqa: E402
 
 model_dir, out, sizes = sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3:]]
 rank, world, device = dist.init(timeout_s=60)
@@ -31,14 +32,14 @@ class Recorder(Engine):
 
 if plan.role == "rollout":
     engine = Recorder()
-    serve(engine, plan.trainers, plan.sync_group, plan.requests, device)
+    serve(plan, engine)
     for i, weights in enumerate(engine.got):
         save_file(weights, os.path.join(out, f"rank{rank}_sync{i}.safetensors"))
 else:
     actor = Actor(model_dir, plan.mesh, device, lr=1e-3, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)
     for i, size in enumerate(sizes):
-        engine = RemoteEngine(plan.peer, actor.weight_specs(), size, plan.sync_group, plan.requests, rank == 0, device)
-        placement.sync(actor, engine, version=i)
+        engine = RemoteEngine(plan, actor.weight_specs(), size)
+        placement.sync(plan, actor, engine, version=i)
         full = {name: t.clone() for name, t in actor.full_weights()}
         if rank == 0:
             save_file(full, os.path.join(out, f"sent_sync{i}.safetensors"))

