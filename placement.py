@@ -1,5 +1,6 @@
-"""Which rank plays which role, the device meshes and groups, and moving weights between
-the trainers and the engines.
+"""Which rank plays which role (`plan`), the engine each rank gets (`engine_for`), moving
+weights from the trainers to the engines (`sync`), and where each role's time went
+(`phase_metrics`).
 
 colocate (G-Core's full colocation): every rank is a trainer and a rollout engine at once,
 taking turns on the same device. Before generation each rank all-gathers the actor's FSDP2

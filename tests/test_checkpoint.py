@@ -12,12 +12,12 @@ from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
 from utils import checkpoint
+from utils.logger import differences
 from utils.tiny import random_checkpoint
 
 pytestmark = pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 
 FLAGS = [f for f in TINY if f not in ("--steps", "3")] + ["--steps", "10", "--save-every", "2"]
-strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("perf/", "placement/"))} for r in rs]  # noqa: E731
 
 
 def test_partial_checkpoints_are_ignored(tmp_path):
@@ -53,7 +53,7 @@ def straight(tmp_path_factory):
 
 def same_run(a, b):
     assert [r["step"] for r in metrics(b)] == [r["step"] for r in metrics(a)]  # every step once, none lost or doubled
-    assert strip(metrics(a)) == strip(metrics(b))
+    assert differences(metrics(a), metrics(b)) == []
     wa = load_file(os.path.join(a, "final", "model.safetensors"))
     wb = load_file(os.path.join(b, "final", "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

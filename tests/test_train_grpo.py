@@ -1,11 +1,12 @@
 """The GRPO script end to end under torchrun (2 ranks, gloo), with timeouts."""
-import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_fsdp import torchrun
+
+from utils.logger import differences, read_metrics
 
 pytestmark = pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 
@@ -14,8 +15,7 @@ TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--
 
 
 def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
@@ -40,8 +40,7 @@ def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun(2, "train_grpo.py", *flags, "--run-dir", b)
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("perf/", "placement/"))} for r in rs]  # noqa: E731
-    assert strip(metrics(a)) == strip(metrics(b))
+    assert differences(metrics(a), metrics(b)) == []
 
 
 def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):

@@ -103,8 +103,10 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
     out = []
     for row_a, row_b in zip(a, b):
         for key in sorted(set(row_a) | set(row_b)):
-            if row_a.get(key) != row_b.get(key):
-                out.append(f"step {row_a.get('step')} {key}: {row_a.get(key)} != {row_b.get(key)}")
+            value_a = row_a.get(key, "(absent)")
+            value_b = row_b.get(key, "(absent)")
+            if value_a != value_b:
+                out.append(f"step {row_a.get('step')} {key}: {value_a} != {value_b}")
     return out
 
 
