@@ -61,4 +61,4 @@ if rank == 0:
         print(f"default run, --save-every {k}: {tiny_save / (k * step_s):.2%} of step time "
               f"(save {tiny_save:.2f}s / ({k} x {step_s}s per step))")
     shutil.rmtree(work, ignore_errors=True)
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)

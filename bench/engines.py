@@ -55,4 +55,4 @@ for name in engines:
     s, n = statistics.median(gen[name]), statistics.median(toks[name])
     print(f"| {name:<8} | {s:10.3f} | {n:6.0f} | {n / s:8.0f} | {statistics.median(load[name]):15.3f} |")
 engines["vllm"].close()
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)

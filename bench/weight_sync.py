@@ -116,4 +116,4 @@ else:
               "bcast+load's; sync s (run): placement.sync as train_grpo.py runs it (gather, broadcast and load "
               "pipelined)")
         shutil.rmtree(holder[0], ignore_errors=True)
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)

@@ -15,7 +15,6 @@ from utils import checkpoint
 from utils.logger import differences
 from utils.tiny import random_checkpoint
 
-pytestmark = pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 
 FLAGS = [f for f in TINY if f not in ("--steps", "3")] + ["--steps", "10", "--save-every", "2"]
 

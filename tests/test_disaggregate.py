@@ -4,7 +4,6 @@ import importlib.util
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,8 +18,6 @@ import placement
 from utils.dist import plan_buckets
 from utils.logger import differences
 from utils.tiny import random_checkpoint
-
-pytestmark = pytest.mark.flaky(reruns=1)  # launches ranks: see tests/conftest.py
 
 
 def test_layout_says_what_fits():
@@ -122,18 +119,15 @@ def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):
     assert [r["placement/staleness_max"] for r in rows[4:]] == [0, 1, 1]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
     """The ranks are started by hand (not torchrun, which would kill the others itself) so that
     what the trainers do on their own is what is tested."""
     run = str(tmp_path / "dead")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    # the store is hosted here, as torchrun's agent hosts it: bound to port 0 by the kernel, so no
+    # other process can take its port between choosing it and binding it (bind 0, close, reuse)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
     cmd = [sys.executable, "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG,
            "--timeout-s", "60", "--run-dir", run]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},

@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 
 from utils.tiny import random_checkpoint
 
-pytestmark = pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,6 @@ from test_fsdp import torchrun
 
 from utils.logger import differences, read_metrics
 
-pytestmark = pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]

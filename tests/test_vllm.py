@@ -27,7 +27,6 @@ def test_vllm_matches_native_before_and_after_a_weight_update():
 
 
 @needs_vllm
-@pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 def test_grpo_with_vllm_reports_the_logprob_gap(tmp_path):
     run = str(tmp_path / "v")
     p = torchrun(2, "train_grpo.py", *TINY, "--engine", "vllm", "--run-dir", run, timeout=600)
@@ -49,7 +48,6 @@ def test_asking_for_vllm_without_it_says_how_to_install():
 
 
 @needs_vllm
-@pytest.mark.flaky(reruns=1)  # launches torchrun: see tests/conftest.py
 def test_disaggregated_grpo_runs_vllm_on_the_rollout_rank(tmp_path):
     """A rollout-only rank runs vLLM in a world of its own (the trainer never joins vLLM's process
     groups) and takes the trainer's weights after every step: the engine's log-probs stay those

@@ -16,8 +16,7 @@ def init(timeout_s: float = 300) -> tuple[int, int, torch.device]:
     GPU. The timeout makes a dead peer fail its collectives instead of hanging forever."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if "MASTER_ADDR" not in os.environ:  # plain `python train_grpo.py`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 20000))
+    alone = "MASTER_ADDR" not in os.environ  # plain `python train_grpo.py`: a world of one
     if torch.cuda.is_available():
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -33,8 +32,14 @@ def init(timeout_s: float = 300) -> tuple[int, int, torch.device]:
         # our own key prefix per torchrun restart: after a rank dies and torchrun restarts the
         # workers, no key of the failed attempt (e.g. a dead rank's address) can be read back
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0 and not agent, timeout=timeout)
+        if alone:
+            # port 0: the OS picks a free one as the store binds it (a port chosen beforehand,
+            # e.g. from the pid, was taken by another process in one suite run: EADDRINUSE)
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        else:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=rank == 0 and not agent, timeout=timeout)
         store = dist.PrefixStore(f"rl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return rank, world, device

@@ -47,4 +47,4 @@ if rank == 0:
     save_file(after, out)
     with open(out + ".gather_ok", "w") as f:
         f.write(str(ok))
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)

@@ -28,4 +28,4 @@ for p_old, p_new in zip(old.opt.state.values(), new.opt.state.values()):
     assert torch.equal(p_old["exp_avg"].full_tensor(), p_new["exp_avg"].full_tensor())
 if rank == 0:
     open(os.path.join(run_dir, "ok"), "w").write("ok")
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)

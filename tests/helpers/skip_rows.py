@@ -50,4 +50,4 @@ if rank == 0:
     save_file({f"skip.{k}": v for k, v in skipped.items()} | {f"full.{k}": v for k, v in full.items()}, out)
     with open(out + ".rows", "w") as f:
         json.dump({"skip": rows_skip, "full": rows_full}, f)
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)

@@ -54,4 +54,4 @@ print(json.dumps({
     "sampled_distinct": len(set(sampled.texts)) > 1, "seeded": sampled.texts == again.texts,
 }))
 vllm_engine.close()
-dist.close()
+dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)
