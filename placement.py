@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from roles.rollout import RemoteEngine
+from utils.errors import UserError
 
 
 @dataclass
@@ -37,24 +38,24 @@ class Layout:
     def __post_init__(self):
         if self.mode == "colocate":
             if self.rollout:
-                raise ValueError("--rollout-ranks applies to --placement disaggregate only; colocate "
-                                 "generates on every rank (drop the flag, or add --placement disaggregate)")
+                raise UserError("--rollout-ranks applies to --placement disaggregate only; colocate "
+                                "generates on every rank (drop the flag, or add --placement disaggregate)")
             if self.dp != self.world:
-                raise ValueError(f"colocate runs one trainer per rank: dp={self.dp} must equal the world "
-                                 f"size {self.world}; launch with torchrun --nproc-per-node {self.dp}")
+                raise UserError(f"colocate runs one trainer per rank: dp={self.dp} must equal the world "
+                                f"size {self.world}; launch with torchrun --nproc-per-node {self.dp}")
         elif self.mode == "disaggregate":
             if self.world < 2:
-                raise ValueError("--placement disaggregate needs at least 2 ranks (one trainer, one "
-                                 "rollout): launch with torchrun --nproc-per-node 2 or more, or use "
-                                 "--placement colocate")
+                raise UserError("--placement disaggregate needs at least 2 ranks (one trainer, one "
+                                "rollout): launch with torchrun --nproc-per-node 2 or more, or use "
+                                "--placement colocate")
             fits = [k for k in range(1, self.world) if (self.world - k) % k == 0]
             if not 1 <= self.rollout < self.world or self.dp % self.rollout:
-                raise ValueError(f"--rollout-ranks {self.rollout} does not fit a world of {self.world}: "
-                                 f"it needs 1 <= K < {self.world} and every rollout rank serving the same "
-                                 f"number of trainers ({self.world} - K divisible by K); fits: "
-                                 f"--rollout-ranks in {fits}")
+                raise UserError(f"--rollout-ranks {self.rollout} does not fit a world of {self.world}: "
+                                f"it needs 1 <= K < {self.world} and every rollout rank serving the same "
+                                f"number of trainers ({self.world} - K divisible by K); fits: "
+                                f"--rollout-ranks in {fits}")
         else:
-            raise ValueError(f"--placement {self.mode!r} is not available; use colocate or disaggregate")
+            raise UserError(f"--placement {self.mode!r} is not available; use colocate or disaggregate")
 
 
 @dataclass
@@ -63,7 +64,9 @@ class Plan:
     layout: Layout
     rank: int
     device: torch.device
-    role: Literal["trainer", "rollout"]  # trainer: in colocate also this rank's engine
+    # "trainer" trains (and, in colocate, also generates with its own engine); "rollout" only
+    # generates, serving its trainers (disaggregate)
+    role: Literal["trainer", "rollout"]
     # the trainers' 1-D mesh ("dp") that FSDP2 shards over; None on rollout ranks
     mesh: DeviceMesh | None = None
     # the trainers: metric reductions, loss normalisers, checkpoints
@@ -90,19 +93,7 @@ class Plan:
 def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_step: int,
          rollout_ranks: int = 0, max_staleness: int = 0, timeout_s: float = 300) -> Plan:
     """This rank's Plan. Checks that the layout fits the world and the batch, saying what would."""
-    layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks)
-    if max_staleness < 0:
-        raise ValueError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of "
-                         "versions")
-    if max_staleness and mode != "disaggregate":
-        raise ValueError(f"--max-staleness {max_staleness} overlaps generation with training, which "
-                         "needs separate rollout ranks: add --placement disaggregate --rollout-ranks K, or "
-                         "drop the flag")
-    if prompts_per_step % layout.dp:
-        fits = [k * layout.dp for k in range(1, 4)]
-        raise ValueError(f"--prompts-per-step {prompts_per_step} does not split over {layout.dp} trainer "
-                         f"ranks (each rank is the controller of its own prompts); use a multiple such as "
-                         f"{fits}")
+    layout = check(mode, world, prompts_per_step, rollout_ranks, max_staleness)
     if mode == "colocate":
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group())
@@ -123,6 +114,26 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
                 served=served)
 
 
+def check(mode: str, world: int, prompts_per_step: int, rollout_ranks: int = 0,
+          max_staleness: int = 0) -> Layout:
+    """The layout of a world of `world` ranks, or a UserError that says which flag to change
+    (no process group needed: the script calls it before starting one)."""
+    layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks)
+    if max_staleness < 0:
+        raise UserError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of "
+                        "versions")
+    if max_staleness and mode != "disaggregate":
+        raise UserError(f"--max-staleness {max_staleness} overlaps generation with training, which "
+                        "needs separate rollout ranks: add --placement disaggregate --rollout-ranks K, or "
+                        "drop the flag")
+    if prompts_per_step % layout.dp:
+        fits = [k * layout.dp for k in range(1, 4)]
+        raise UserError(f"--prompts-per-step {prompts_per_step} does not split over {layout.dp} trainer "
+                        f"ranks (each rank is the controller of its own prompts); use a multiple such as "
+                        f"{fits}")
+    return layout
+
+
 def rollout_rank_of(trainer: int, layout: Layout) -> int:
     """Trainer i is served by rollout rank dp + i % K."""
     return layout.dp + trainer % layout.rollout
@@ -132,9 +143,10 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     """The engine this rank generates with, behind one interface (utils/engines.py).
     colocate: `local_engine()`, in this process, taking turns with training on the device;
     disaggregate, trainer: its rollout rank, behind a `RemoteEngine` that expects `weight_specs`;
-    disaggregate, rollout rank: `local_engine(own_process=True)`: vLLM's engine core then runs in
-    a child process with a world of its own (in-process, it would build its groups over the
-    whole torchrun world, which the trainers never join)."""
+    disaggregate, rollout rank: `local_engine(own_process=True)`: a vLLM engine's core then runs
+    in a child process with a world of its own (in-process, it would build its groups over the
+    whole torchrun world, which the trainers never join); the native engine is the same either
+    way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice."""
     if plan.mode == "colocate":
         return local_engine()
     if plan.role == "trainer":

@@ -13,6 +13,7 @@ instead, and each trainer talks to its own rollout rank point to point.
 
 The loss is `loss_fn` below; the step loop is at the bottom of the file.
 """
+import math
 import os
 import signal
 import time
@@ -28,12 +29,13 @@ from roles.actor import Actor
 from roles.reference import Reference
 from roles.reward import Reward
 from roles.rollout import serve
-from utils import algos, checkpoint, dist
-from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch, micro_batches,
-                        per_sample, prompt_seed, step_prompts, tokenize_rows)
+from utils import algos, checkpoint, dist, errors
+from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
+                        micro_batches, per_sample, prompt_seed, step_prompts, tokenize_rows)
 from utils.engines import SamplingParams, make_engine
+from utils.errors import UserError
 from utils.logger import Logger, Timer
-from utils.model import read_config
+from utils.model import check_checkpoint, read_config
 
 MAX = torch.distributed.ReduceOp.MAX
 
@@ -143,6 +145,61 @@ class Args:
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
 
 
+def check_args(args: Args, world: int):
+    """Every flag's range and the combinations that cannot work, in the order of Args: a mistake
+    stops the run here, before any process group or model load, with what to change."""
+    rules = [  # (flag, holds, what to use instead)
+        ("eval_every", args.eval_every >= 0, "0 (never) or a number of steps"),
+        ("eval_prompts", args.eval_prompts >= 1, "1 or more"),
+        ("steps", args.steps >= 1, "1 or more"),
+        ("prompts_per_step", args.prompts_per_step >= 1, "1 or more"),
+        ("num_generations", args.num_generations >= 2, "2 or more: GRPO's advantage compares the samples of "
+         "a prompt's group, and with 1 every advantage is 0, so nothing would train"),
+        ("max_new_tokens", args.max_new_tokens >= 1, "1 or more"),
+        ("max_prompt_tokens", args.max_prompt_tokens >= 1, "1 or more"),
+        ("temperature", 0 < args.temperature < math.inf, "a positive number (1.0: the model as it is)"),
+        ("top_p", 0 < args.top_p <= 1, "a number in (0, 1] (1.0: off)"),
+        ("top_k", args.top_k >= 0, "0 (off) or a number of tokens"),
+        ("rewards", len(args.rewards) >= 1, "at least one reward term"),
+        ("reward_weights", len(args.reward_weights) in (0, len(args.rewards)),
+         f"one weight per --rewards term ({len(args.rewards)}), or none"),
+        ("reward_timeout_s", args.reward_timeout_s > 0, "a positive number of seconds"),
+        ("code_timeout_s", args.code_timeout_s > 0, "a positive number of seconds"),
+        ("code_memory_mb", args.code_memory_mb >= 32, "32 or more"),
+        ("lr", 0 < args.lr < math.inf, "a positive learning rate such as 3e-4"),
+        ("warmup_steps", args.warmup_steps >= 0, "0 or more"),
+        ("weight_decay", 0 <= args.weight_decay < math.inf, "0 or more"),
+        ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm"),
+        ("max_skipped_steps", args.max_skipped_steps >= 0, "0 or more"),
+        ("clip_low", 0 <= args.clip_low < 1, "a number in [0, 1)"),
+        ("clip_high", 0 <= args.clip_high < math.inf, "0 or more"),
+        ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (no KL term) or more"),
+        ("minibatches", args.minibatches >= 1, "1 or more"),
+        ("micro_batch_size", args.micro_batch_size >= 1, "1 or more"),
+        ("rollout_ranks", args.rollout_ranks >= 0, "0 (colocate) or more"),
+        ("sync_bucket_mb", 0 < args.sync_bucket_mb < math.inf, "a positive size in MiB"),
+        ("sync_bucket_mb", args.sync_bucket_mb == 64.0 or args.placement == "disaggregate",
+         "it only applies to --placement disaggregate (drop it)"),
+        ("save_every", args.save_every >= 0, "0 (on SIGTERM only) or a number of steps"),
+        ("keep_last", args.keep_last >= 1, "1 or more"),
+        ("resume", args.resume in ("restart", "auto", "none") or os.path.isdir(args.resume),
+         "restart, auto, none or the path of a checkpoint directory (there is none at that path)"),
+        ("save_hf_every", args.save_hf_every >= 0, "0 (off) or a number of steps"),
+        ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds"),
+    ]
+    for flag, holds, use in rules:
+        if not holds:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use {use}")
+    # the placement's own checks (rollout ranks, staleness, the batch split) need only the world size
+    placement.check(args.placement, world, args.prompts_per_step, args.rollout_ranks, args.max_staleness)
+    try:
+        read_config(args.model)
+        Tokenizer(args.model)
+        check_checkpoint(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"--model: {e}") from None
+
+
 def loss_fn(logp, batch, norm: float, args: Args):
     """GRPO's loss on one micro-batch (edit here to try another objective): the clipped
     surrogate against the engine's log-probs with DAPO's clip-higher, plus kl_coef times a KL
@@ -172,7 +229,7 @@ def update(actor, batch, args, plan):
         if args.loss_agg == "token":
             counts.append(float(mini["loss_mask"].sum()))
         else:
-            counts.append(float(len(mini["adv"])))
+            counts.append(float((mini["loss_mask"].sum(-1) > 0).sum()))  # completions in the loss
     counts = torch.tensor(counts, dtype=torch.float64)
     torch.distributed.all_reduce(counts, group=plan.trainer_group)
     # the zero-advantage row skip is exact only while every loss term is proportional to the
@@ -207,9 +264,9 @@ def eval_due(step: int, args, eval_rows) -> bool:
 
 
 def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, train, sync, timer,
-             skipped_steps):
+             skipped_steps, unscored_steps):
     """Reduce this step's numbers over the trainers (one sum, one max); rank 0 prints and writes them."""
-    rewards, parts, failures = scores
+    rewards, parts, failed = scores
     sums, maxes = train
     n = args.num_generations
     groups = rewards.view(-1, n)  # [prompts, n]
@@ -217,11 +274,12 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
     step_s = timer.elapsed()
     phases = placement.phase_metrics(plan, engine, timer.seconds, step_s)
     staleness = step - out.version
-    parts = {f"reward/{name}": part.sum() for name, part in parts.items()}
+    parts = {f"reward/{name}": part[~failed].sum() for name, part in parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
-        **sums, **parts, **phases, "reward": rewards.sum(), "failures": failures, "len": out.lengths.sum(),
-        "truncated": out.finish_reasons.count("length"), "all_same": all_same, "staleness": staleness,
-        "completions": len(rewards), "completion_tokens": batch["loss_mask"].sum()})
+        **sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
+        "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
+        "all_same": all_same, "staleness": staleness, "completions": len(rewards),
+        "completion_tokens": batch["loss_mask"].sum()})
     seconds = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
         **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
@@ -229,18 +287,20 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "staleness": staleness})
     if plan.rank != 0:
         return
-    N, T, dp = total["completions"], total["completion_tokens"], plan.dp
+    N, dp = total["completions"], plan.dp
+    S = max(1.0, total["scored"])  # completions with a reward
+    T = max(1.0, total["completion_tokens"])  # their tokens: what the loss sees
     metrics.update({
-        "rollout/reward": total["reward"] / N, "rollout/response_len": total["len"] / N,
+        "rollout/reward": total["reward"] / S, "rollout/response_len": total["len"] / N,
         "rollout/truncated": total["truncated"] / N, "rollout/groups_all_same": total["all_same"] / (N / n)})
     for name in parts:
-        metrics[f"rollout/{name}"] = total[name] / N
+        metrics[f"rollout/{name}"] = total[name] / S
     metrics.update({
-        "reward/failures": total["failures"],
-        "train/pg_loss": total["pg_loss"] / T, "train/kl": total.get("kl", 0.0) / T,
-        "train/clip_frac": total["clipped_tokens"] / T, "train/grad_norm": peak["grad_norm"],
+        "reward/failures": total["failures"], "reward/unscored_steps": unscored_steps,
+        "train/pg_loss": total.get("pg_loss", 0.0) / T, "train/kl": total.get("kl", 0.0) / T,
+        "train/clip_frac": total.get("clipped_tokens", 0.0) / T, "train/grad_norm": peak["grad_norm"],
         "train/lr": actor.sched.get_last_lr()[0], "train/skipped_steps": skipped_steps,
-        "train/logprob_gap_mean": total["gap_sum"] / total["trained_tokens"],
+        "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
         "train/logprob_gap_max": peak["gap_max"],
         # the rest had advantage 0 (and no KL term): not run
         "train/rows_trained": total["rows"] / N,
@@ -259,10 +319,9 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    try:  # a wrong --model stops every rank here, before any process group, with what to change
-        cfg, tok = read_config(args.model), Tokenizer(args.model)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"--model: {e}") from None
+    errors.install()  # a UserError ends the run with one line, `error: ...` (RL_DEBUG=1: a traceback)
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    cfg, tok = read_config(args.model), Tokenizer(args.model)
     rank, world, device = dist.init(args.timeout_s)
     plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
                           args.max_staleness, args.timeout_s)
@@ -315,7 +374,8 @@ if __name__ == "__main__":
               f"({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
 
     n = args.num_generations
-    skipped_steps = 0
+    skipped_steps = 0  # NaN/inf gradients
+    unscored_steps = 0  # every reward failed
     stopped = False  # some rank was asked to stop (SIGTERM)
     in_flight = {}  # step -> (this rank's rows, ticket): rollouts sent ahead of training
     submitted = start  # the next step whose prompts go out
@@ -355,12 +415,16 @@ if __name__ == "__main__":
             columns = dataset_columns(local, n)  # answer and the rest, one value per completion
             columns["finish_reason"] = out.finish_reasons
             prompts = per_sample([r["prompt"] for r in local], n)
-            rewards, parts, failures = reward.score(prompts, out.texts, columns)  # [N]
+            rewards, parts, failed = reward.score(prompts, out.texts, columns)  # [N], {term: [N]}, [N]
 
-        # advantages: group-relative, one per completion, the same for each of its tokens
-        adv = algos.group_advantages(rewards.view(-1, n), args.scale_std).view(-1, 1)  # [N, 1]
+        # advantages: group-relative over the samples that have a reward, one per completion, the
+        # same for each of its tokens; a sample whose reward failed is left out of the loss
+        scored = ~failed  # [N]
+        adv = algos.group_advantages(rewards.view(-1, n), args.scale_std, scored=scored.view(-1, n))
+        adv = adv.view(-1, 1)  # [N, 1]
         prompt_ids = per_sample([r["ids"] for r in local], n)
         batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
+        batch["loss_mask"] = batch["loss_mask"] * scored[:, None].to(device)  # [N, T]
         batch["old_logp"] = out.logprobs.to(device)  # [N, T]
         batch["adv"] = adv.to(device).expand_as(batch["loss_mask"])  # [N, T]
         if ref:
@@ -371,16 +435,22 @@ if __name__ == "__main__":
         with timer("train"):
             train = update(actor, batch, args, plan)
 
-        # log, then stop together: NaN/inf steps and SIGTERM are agreed over the trainers
-        halt = dist.reduce({"skipped": train[1]["skipped"], "sigterm": stop["sigterm"]}, op=MAX,
-                           group=plan.trainer_group)
+        # log, then stop together: skipped steps and SIGTERM are agreed over the trainers
+        halt = dist.reduce({"skipped": train[1]["skipped"], "unscored": train[1]["unscored"],
+                            "sigterm": stop["sigterm"]}, op=MAX, group=plan.trainer_group)
         skipped_steps += int(halt["skipped"])
-        log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failures), batch, train,
-                 sync, timer, skipped_steps)
+        unscored_steps += int(halt["unscored"])
+        log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failed), batch, train,
+                 sync, timer, skipped_steps, unscored_steps)
         if skipped_steps > args.max_skipped_steps:
-            raise SystemExit(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
-                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. The "
-                             f"last complete checkpoint is in {args.run_dir}/checkpoints")
+            raise UserError(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
+                            f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. The "
+                            f"last complete checkpoint is in {args.run_dir}/checkpoints")
+        if unscored_steps > args.max_skipped_steps:
+            raise UserError(f"stopping: in {unscored_steps} steps every reward failed (--max-skipped-steps "
+                            f"{args.max_skipped_steps}); check the --rewards functions {list(args.rewards)} "
+                            f"(they raised, ran past --reward-timeout-s or gave NaN/inf). The last complete "
+                            f"checkpoint is in {args.run_dir}/checkpoints")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
             path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
             checkpoint.export_hf(actor, path, rank, args.model)

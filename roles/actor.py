@@ -51,9 +51,17 @@ class Actor:
         the advantage, as the clipped surrogate alone is: such rows then add exactly nothing to
         the loss or its gradient. A KL or entropy term breaks that: pass False with one.
 
+        A minibatch with nothing in the loss on any rank (norm 0: every reward failed) is not run,
+        and the optimizer does not step (`unscored`).
+
         Returns this rank's metric sums (loss_fn's, plus rows, trained_tokens and gap_sum, the
-        trainer-vs-engine log-prob gap) and maxima (gap_max, grad_norm, skipped), as tensors:
-        the caller reduces them over ranks at log time."""
+        trainer-vs-engine log-prob gap) and maxima (gap_max, grad_norm, skipped, unscored), as
+        tensors: the caller reduces them over ranks at log time."""
+        if norm == 0:  # the same on every rank (reduced): no collective is left unpaired
+            self.sched.step()
+            nothing = torch.zeros(())
+            return {"gap_sum": 0.0, "rows": 0, "trained_tokens": 0.0}, {
+                "gap_max": nothing, "grad_norm": nothing, "skipped": 0.0, "unscored": 1.0}
         if skip_zero_adv_rows:
             batch = self.rows_to_train(batch)
         sums = {"gap_sum": 0.0, "rows": len(batch["adv"]), "trained_tokens": batch["loss_mask"].sum()}
@@ -79,7 +87,8 @@ class Actor:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        return sums, {"gap_max": gap_max, "grad_norm": grad_norm, "skipped": float(not finite)}
+        maxes = {"gap_max": gap_max, "grad_norm": grad_norm, "skipped": float(not finite), "unscored": 0.0}
+        return sums, maxes
 
     def rows_to_train(self, batch):
         """The rows with a nonzero advantage first (in order), then zero-advantage rows, K rows

@@ -26,6 +26,8 @@ import tempfile
 
 import torch
 
+from utils.errors import UserError
+
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -111,7 +113,7 @@ def check_sandbox():
     """Fails early, with the reason, where the sandbox cannot be built (no unshare(1), or no
     user namespaces for an unprivileged user)."""
     if not run_sandboxed("pass", timeout_s=30):
-        raise RuntimeError("the code reward's sandbox does not start here: it needs util-linux's `unshare` "
+        raise UserError("the code reward's sandbox does not start here: it needs util-linux's `unshare` "
                            "and root or unprivileged user namespaces (sysctl "
                            "kernel.unprivileged_userns_clone=1)")
 
@@ -132,12 +134,12 @@ def resolve(name: str):
     if name in BUILTIN:
         return BUILTIN[name]
     if ":" not in name:
-        raise ValueError(f"reward {name!r}: use one of {sorted(BUILTIN)} or 'module:function'")
+        raise UserError(f"reward {name!r}: use one of {sorted(BUILTIN)} or 'module:function'")
     module, fn = name.split(":", 1)
     try:
         return getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {name!r} could not be loaded: {e}") from e
+        raise UserError(f"reward {name!r} could not be loaded: {e}") from e
 
 
 class Reward:
@@ -145,7 +147,7 @@ class Reward:
                  code_memory_mb: int = 512):
         weights = list(weights) if weights else [1.0] * len(names)
         if len(weights) != len(names):
-            raise ValueError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
+            raise UserError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
         self.terms = [(n, resolve(n), w) for n, w in zip(names, weights)]
         self.timeout_s = timeout_s
         if "code" in names:
@@ -155,19 +157,22 @@ class Reward:
 
     def score(self, prompts: list, completions: list[str], columns: dict[str, list]):
         """One score per completion; columns hold per-completion lists (answer, finish_reason,
-        and any other dataset column). Returns (rewards [N], {term name: [N]}, failures)."""
+        and any other dataset column). Returns (rewards [N], {term name: [N]}, failed [N] bool):
+        a sample whose term raised, timed out or gave NaN/inf has no reward (it reads 0 here;
+        the trainer leaves it out of its group's statistics and of the loss)."""
         total = torch.zeros(len(completions))
-        parts, failures = {}, 0
+        failed = torch.zeros(len(completions), dtype=torch.bool)
+        parts = {}
         for name, fn, w in self.terms:
             # the code term has its own per-sample limits, in the sandbox
             timeout_s = self.timeout_s
             if name == "code":
                 timeout_s = None
-            scores, failed = _call(name, fn, prompts, completions, columns, timeout_s)
+            scores, term_failed = _call(name, fn, prompts, completions, columns, timeout_s)
             parts[name] = torch.tensor(scores)
             total += w * parts[name]
-            failures += failed
-        return total, parts, failures
+            failed |= torch.tensor(term_failed, dtype=torch.bool)
+        return total.masked_fill(failed, 0.0), parts, failed
 
 
 class RewardTimeout(BaseException):
@@ -179,6 +184,7 @@ def _alarm(*_):
 
 
 def _call(name, fn, prompts, completions, columns, timeout_s):
+    """fn's scores, and which samples failed (a failed one scores 0.0 here)."""
     if timeout_s:  # a Python function can't be killed, but it can be interrupted
         signal.signal(signal.SIGALRM, _alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -186,7 +192,7 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
         try:
             out = fn(prompts, completions, **columns)
         except Exception:  # isolate the failing samples: one bad sample must not zero the batch
-            out, failed = [], 0
+            out, failed = [], []
             for i in range(len(completions)):
                 try:
                     one = {k: c[i:i + 1] for k, c in columns.items()}
@@ -194,18 +200,19 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
                     if not math.isfinite(float(v)):
                         raise ValueError("non-finite score")
                     out.append(float(v))
+                    failed.append(False)
                 except Exception:
                     out.append(0.0)
-                    failed += 1
+                    failed.append(True)
             return out, failed
     except RewardTimeout:
-        return [0.0] * len(completions), len(completions)
+        return [0.0] * len(completions), [True] * len(completions)
     finally:
         if timeout_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
     if len(out) != len(completions):
-        raise ValueError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} "
-                         "completions; it must return one float per completion")
+        raise UserError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} "
+                        "completions; it must return one float per completion")
     out = [float(v) for v in out]
-    bad = sum(not math.isfinite(v) for v in out)  # NaN/inf scores count as failures, score 0
-    return [v if math.isfinite(v) else 0.0 for v in out], bad
+    failed = [not math.isfinite(v) for v in out]  # NaN/inf scores are failures
+    return [0.0 if bad else v for v, bad in zip(out, failed)], failed

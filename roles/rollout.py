@@ -83,7 +83,7 @@ class RemoteEngine:
             group, device = self.plan.weight_group, self.plan.device
             dist.broadcast_buckets(weights, self.buckets, 0, group, device, self.bufs)
         except RuntimeError as e:
-            raise self._fail(e, "receiving weights") from e
+            raise self._fail(e, "the weights were broadcast to it") from e
 
     def submit(self, prompts, params, seeds) -> int:
         ticket = self.next

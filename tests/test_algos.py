@@ -27,6 +27,35 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantage():
         assert torch.equal(got[:2], torch.zeros(2, 8)) and (got[2] != 0).all()
 
 
+def test_failed_samples_are_left_out_of_their_group():
+    """A sample without a reward (its function raised, timed out or gave NaN) gets advantage 0,
+    and its group's mean and std are those of the remaining samples (a plain loop over them);
+    a group with fewer than two scored samples carries no advantage."""
+    r = torch.tensor([[1.0, 0.0, 9.0, 1.0], [3.0, 1.0, 2.0, 0.0], [1.0, 0.0, 5.0, 5.0], [2.0, 7.0, 1.0, 0.0]])
+    scored = torch.tensor([[True, True, False, True], [True] * 4, [True, False, False, False], [False] * 4])
+    for scale in (True, False):
+        got = algos.group_advantages(r, scale_std=scale, scored=scored)
+        for g in range(4):
+            rest = [x for x, ok in zip(r[g].tolist(), scored[g].tolist()) if ok]
+            for j in range(4):
+                if not scored[g, j] or len(rest) < 2:
+                    assert got[g, j].item() == 0.0
+                    continue
+                mean = sum(rest) / len(rest)
+                std = math.sqrt(sum((x - mean) ** 2 for x in rest) / (len(rest) - 1))
+                want = (r[g, j].item() - mean) / (std + 1e-6) if scale else r[g, j].item() - mean
+                assert got[g, j].item() == pytest.approx(want, abs=1e-5)
+
+
+def test_all_scored_advantages_are_the_plain_formula_bit_for_bit():
+    """With every sample scored, the masked statistics are torch's own mean and std, to the bit."""
+    torch.manual_seed(0)
+    for n in (2, 4, 8, 16):
+        r = torch.rand(64, n)
+        want = (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-6)
+        assert torch.equal(algos.group_advantages(r), want)
+
+
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
 def test_kl_estimators_match_a_loop(kind):
     logp, ref = torch.randn(3, 5) - 2, torch.randn(3, 5) - 2

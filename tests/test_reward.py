@@ -17,16 +17,16 @@ def test_same_answer_normalises_numbers():
 
 def test_builtin_terms_and_weights():
     r = Reward(["accuracy", "format"], [1.0, 0.5])
-    total, parts, failures = r.score(["1+1="] * 3, ["2", "3", "2"], {
+    total, parts, failed = r.score(["1+1="] * 3, ["2", "3", "2"], {
         "answer": ["2", "2", "2"], "finish_reason": ["stop", "stop", "length"]})
-    assert total.tolist() == [1.5, 0.5, 1.0] and failures == 0
+    assert total.tolist() == [1.5, 0.5, 1.0] and not failed.any()
     assert parts["accuracy"].tolist() == [1, 0, 1]
 
 
 def test_raising_reward_is_counted_per_sample_not_fatal():
     r = Reward(["tests.helpers.rewards:flaky"])
-    total, _, failures = r.score(["p"] * 4, ["a2", "b3", "c4", "d5"], {"answer": ["0"] * 4})
-    assert failures == 2 and total.tolist() == [1.0, 0.0, 1.0, 0.0]
+    total, _, failed = r.score(["p"] * 4, ["a2", "b3", "c4", "d5"], {"answer": ["0"] * 4})
+    assert failed.tolist() == [False, True, False, True] and total.tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_wrong_length_is_a_clear_error():
@@ -50,8 +50,8 @@ def test_reward_past_the_time_limit_scores_zero_and_is_counted():
     for fn in ("slow", "swallows_everything"):
         r = Reward([f"tests.helpers.rewards:{fn}"], timeout_s=0.5)
         t = time.time()
-        total, _, failures = r.score(["p"] * 3, ["a", "b", "c"], {})
-        assert time.time() - t < 5 and failures == 3 and total.tolist() == [0, 0, 0]
+        total, _, failed = r.score(["p"] * 3, ["a", "b", "c"], {})
+        assert time.time() - t < 5 and failed.all() and total.tolist() == [0, 0, 0]
 
 
 SAFE = "```python\ndef add(a, b):\n    return a + b\n```"
@@ -69,8 +69,8 @@ def test_code_reward_runs_tests_in_a_sandbox():
 
     r = Reward(["code"], code_timeout_s=2, code_memory_mb=256)
     tests = "assert add(2, 3) == 5"
-    total, _, failures = r.score(["p"] * 2, [SAFE, SAFE.replace("a + b", "a - b")], {"tests": [tests, tests]})
-    assert total.tolist() == [1.0, 0.0] and failures == 0
+    total, _, failed = r.score(["p"] * 2, [SAFE, SAFE.replace("a + b", "a - b")], {"tests": [tests, tests]})
+    assert total.tolist() == [1.0, 0.0] and not failed.any()
     for what, code in HOSTILE.items():
         t = time.time()
         total, _, _ = r.score(["p"], [f"```python\n{code}\n```"], {"tests": [""]})

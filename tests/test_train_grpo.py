@@ -64,9 +64,9 @@ def test_a_wrong_model_dir_says_what_is_wrong(tmp_path, what):
         shutil.copytree("assets/arith-tiny", model, ignore=shutil.ignore_patterns("tokenizer.json"))
     p = subprocess.run([sys.executable, "train_grpo.py", "--model", str(model), "--run-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1
+    assert p.returncode == 2
     want = "does not exist" if what == "missing" else "has no tokenizer.json"
-    assert p.stderr.strip().splitlines()[-1].startswith("--model: ") and want in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: --model: ") and want in p.stderr, p.stderr
 
 
 def test_nan_gradients_are_skipped_counted_then_stop_the_run(tmp_path):

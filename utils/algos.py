@@ -3,17 +3,30 @@ loss aggregation. No model, no distributed state; each is tested against a plain
 import torch
 
 
-def group_advantages(rewards, scale_std: bool = True, eps: float = 1e-6):
+def group_advantages(rewards, scale_std: bool = True, eps: float = 1e-6, scored=None):
     """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3):
     A_ij = r_ij - mean_j(r_i), divided by std_j(r_i) when `scale_std` (Dr. GRPO, Liu et al.
-    2025, argues for leaving the std out). rewards [G, n] -> [G, n]. A group whose rewards are
-    all equal gets exactly 0: its float mean can miss the value (eight rewards of 0.1 in fp32),
-    and the rounding left over, divided by a std of ~1e-8, would be an advantage of ~0.01."""
-    centred = rewards - rewards.mean(-1, keepdim=True)  # [G, n]
+    2025, argues for leaving the std out). rewards, scored [G, n] -> [G, n].
+    `scored` (default: all) marks the samples that have a reward: the mean and std are over
+    those only, and a sample without one gets 0. A group with fewer than two scored samples,
+    or whose scored rewards are all equal, gets exactly 0: its float mean can miss the value
+    (eight rewards of 0.1 in fp32), and the rounding left over, divided by a std of ~1e-8,
+    would be an advantage of ~0.01."""
+    if scored is None:
+        scored = torch.ones_like(rewards, dtype=torch.bool)
+    count = scored.sum(-1, keepdim=True)  # [G, 1]
+    kept = torch.where(scored, rewards, 0.0)  # [G, n]
+    centred = rewards - kept.sum(-1, keepdim=True) / count.clamp(min=1)  # [G, n]
     if scale_std:
-        centred = centred / (rewards.std(-1, keepdim=True) + eps)  # unbiased std, as TRL and veRL
-    same = rewards.amax(-1, keepdim=True) == rewards.amin(-1, keepdim=True)  # [G, 1]
-    return centred.masked_fill(same, 0.0)
+        # unbiased std, as TRL and veRL; in float64, as torch.std computes it (the same bits)
+        r = rewards.double()  # [G, n]
+        mean = torch.where(scored, r, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)  # [G, 1]
+        var = torch.where(scored, r - mean, 0.0).square().sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+        centred = centred / (var.sqrt().to(rewards.dtype) + eps)
+    highest = torch.where(scored, rewards, -torch.inf).amax(-1, keepdim=True)  # [G, 1]
+    lowest = torch.where(scored, rewards, torch.inf).amin(-1, keepdim=True)  # [G, 1]
+    no_signal = (highest == lowest) | (count < 2)  # [G, 1]
+    return centred.masked_fill(no_signal, 0.0).masked_fill(~scored, 0.0)
 
 
 def kl_estimate(logp, ref_logp, kind: str):

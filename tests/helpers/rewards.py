@@ -30,3 +30,12 @@ def swallows_everything(prompts, completions, **columns):
     except Exception:
         pass
     return [1.0] * len(completions)
+
+
+def always_fails(prompts, completions, **columns):
+    raise RuntimeError("this reward always fails")
+
+
+def nan_for_odd(prompts, completions, **columns):
+    """NaN for a completion ending in an odd digit, else 1."""
+    return [float("nan") if c[-1:] in "13579" else 1.0 for c in completions]

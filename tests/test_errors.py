@@ -1,0 +1,135 @@
+"""A user's mistake ends the run with one `error:` line and no traceback from the workers; a
+failed reward is left out of its group and of the loss."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import torch
+from test_fsdp import ROOT
+from test_train_grpo import TINY
+
+from utils import errors
+
+# a frame of our own code in a traceback (torch's own utils/ excluded)
+OUR_FRAME = re.compile(r'File "[^"]*(train_grpo\.py|placement\.py|roles/\w+\.py|(?<!torch)/utils/\w+\.py)"')
+
+
+def make_inputs(tmp):
+    """Bad files for the data and checkpoint cases."""
+    (tmp / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=" "answer": "4"}\n')
+    (tmp / "int_prompt.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 7, "answer": "4"}\n')
+    (tmp / "list_answer.jsonl").write_text('{"prompt": "1+1=", "answer": ["2"]}\n')
+    (tmp / "junk.parquet").write_bytes(bytes(range(256)))
+    shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "truncated")
+    weights = tmp / "truncated" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+
+
+CASES = [  # (flags, what the error line must say)
+    # flag ranges, caught before the process group
+    (["--lr", "-1"], "--lr -1.0: use a positive learning rate"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: use 1 or more"),
+    (["--num-generations", "1"], "--num-generations 1: use 2 or more"),
+    (["--temperature", "0"], "--temperature 0.0: use a positive number"),
+    (["--top-p", "1.5"], "--top-p 1.5: use a number in (0, 1]"),
+    (["--clip-low", "1"], "--clip-low 1.0: use a number in [0, 1)"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: use 1 or more"),
+    (["--timeout-s", "0"], "--timeout-s 0.0: use a positive number of seconds"),
+    (["--reward-weights", "1", "2"], "--reward-weights (1.0, 2.0): use one weight per --rewards term"),
+    (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: use restart, auto, none or the path"),
+    # combinations that cannot work
+    (["--sync-bucket-mb", "8"], "it only applies to --placement disaggregate"),
+    (["--max-staleness", "1"], "add --placement disaggregate --rollout-ranks K"),
+    (["--rollout-ranks", "1"], "--rollout-ranks applies to --placement disaggregate only"),
+    (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
+    # the model checkpoint, before the process group
+    (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
+    (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
+    # data, after the process group
+    (["--dataset", "{tmp}/bad.jsonl", "--eval-every", "0"], "bad.jsonl' line 2: not valid JSON"),
+    (["--dataset", "{tmp}/int_prompt.jsonl", "--eval-every", "0"], "int_prompt.jsonl' row 1: column 'prompt'"),
+    (["--dataset", "{tmp}/list_answer.jsonl", "--eval-every", "0"], "row 0: column 'answer' must be a string"),
+    (["--dataset", "{tmp}/junk.parquet", "--eval-every", "0"], "junk.parquet' is not a readable parquet file"),
+    # rewards, after the process group (the last two during the steps)
+    (["--rewards", "nonsense"], "reward 'nonsense': use one of"),
+    (["--rewards", "tests.helpers.rewards:wrong_length"], "returned 1 scores for 8 completions"),
+    (["--rewards", "tests.helpers.rewards:always_fails", "--max-skipped-steps", "1"],
+     "stopping: in 2 steps every reward failed (--max-skipped-steps 1)"),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    make_inputs(tmp)
+    return tmp
+
+
+@pytest.mark.parametrize("flags,says", CASES, ids=[" ".join(f)[:40] for f, _ in CASES])
+def test_a_mistake_ends_in_one_error_line(flags, says, inputs, tmp_path):
+    flags = [f.replace("{tmp}", str(inputs)) for f in flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           *TINY, "--run-dir", str(tmp_path / "run"), *flags]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-2000:]
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and says in lines[0], out[-3000:]
+    assert not OUR_FRAME.search(out), out[-3000:]  # no traceback from the workers
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback(debug):
+    env = {**os.environ, "RL_DEBUG": "1" if debug else "0"}
+    run = partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    pre = "from utils import errors; errors.install(); "
+    user = run([sys.executable, "-c", pre + "raise errors.UserError('--lr -1: use a positive learning rate')"])
+    bug = run([sys.executable, "-c", pre + "{}['missing']"])
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'missing'" in bug.stderr
+    if debug:
+        assert user.returncode == 1 and "Traceback" in user.stderr
+    else:
+        assert user.returncode == 2 and user.stderr == "error: --lr -1: use a positive learning rate\n"
+
+
+def test_a_failed_sample_adds_nothing_to_the_loss_or_its_gradient():
+    """Row 1's reward failed: its loss mask and advantage are 0. The loss equals the loss without
+    that row and the gradient on its log-probs is exactly 0, KL term included."""
+    from train_grpo import Args, loss_fn
+
+    from utils import algos
+
+    torch.manual_seed(0)
+    N, T = 4, 5
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    scored = torch.tensor([[True, False, True, True]])
+    adv = algos.group_advantages(rewards, scored=scored).view(-1, 1).expand(N, T)
+    assert adv[1].eq(0).all()
+    batch = {"loss_mask": torch.ones(N, T) * scored.view(-1, 1), "old_logp": -torch.rand(N, T), "adv": adv,
+             "ref_logp": -torch.rand(N, T)}
+    args = Args(kl_coef=0.1)
+    logp = (-torch.rand(N, T)).requires_grad_()
+    loss, _ = loss_fn(logp, batch, 15.0, args)
+    loss.backward()
+    assert torch.equal(logp.grad[1], torch.zeros(T)) and logp.grad[[0, 2, 3]].abs().sum() > 0
+    keep = [0, 2, 3]
+    rest = {k: v[keep] for k, v in batch.items()}
+    loss_rest, _ = loss_fn(logp.detach()[keep], rest, 15.0, args)
+    assert torch.allclose(loss.detach(), loss_rest, rtol=1e-6, atol=0)  # the same sum, in another order
+
+
+def test_nan_rewards_are_failures_not_zeros():
+    from roles.reward import Reward
+
+    total, _, failed = Reward(["tests.helpers.rewards:nan_for_odd"]).score(["p"] * 4, ["a1", "b2", "c3", "d4"], {})
+    assert failed.tolist() == [True, False, True, False] and total.tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_user_error_is_a_value_error():
+    assert issubclass(errors.UserError, ValueError)

@@ -1,0 +1,50 @@
+"""Mistakes a user can fix end the run with one line, not a traceback.
+
+`UserError` is raised where a flag, a file or a user's function is wrong, with a message that
+names it and says what to change. `install` makes such an error end the process with
+
+    error: <the message>
+
+printed once (by rank 0 of a torchrun job; the other ranks, which meet the same mistake, exit
+quietly) and exit code 2; a mistake that only another rank met is said by that rank. Any other exception is a bug and keeps its traceback. RL_DEBUG=1
+brings tracebacks back for user errors too.
+"""
+import os
+import signal
+import sys
+import time
+import traceback
+
+WAIT_S = 10  # see _report
+
+
+class UserError(ValueError):
+    """A mistake in a flag, a file or a user's function; the message says what to change."""
+
+
+def install():
+    """Route uncaught exceptions through `_report`."""
+    sys.excepthook = _report
+
+
+def _report(kind, error, tb):
+    # to the real stderr: torch.distributed wraps this hook with one that buffers sys.stderr
+    # (to prefix each line with the rank) and would lose what is written before os._exit
+    stderr = sys.__stderr__
+    rank = int(os.environ.get("RANK", "0"))
+    if not issubclass(kind, UserError) or os.environ.get("RL_DEBUG") == "1":
+        for line in "".join(traceback.format_exception(kind, error, tb)).splitlines():
+            print(f"[rank{rank}]: {line}", file=stderr)
+        stderr.flush()
+        os._exit(1)  # not a normal exit: with gloo running it can abort (see utils.dist.exit_now)
+    if rank != 0:
+        # the ranks meet the same mistake together: rank 0 says it, and torchrun then stops this
+        # rank during the wait (were it to leave first, torchrun could stop rank 0 before it
+        # said anything). Still here afterwards: a mistake only this rank met, said by it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(WAIT_S)
+        print(f"error: (rank {rank}) {error}", file=stderr, flush=True)
+    else:
+        print(f"error: {error}", file=stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
