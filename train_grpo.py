@@ -16,7 +16,9 @@ The loss is `loss_fn` below; the step loop is at the bottom of the file.
 import math
 import os
 import signal
+import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Literal
@@ -27,7 +29,7 @@ import tyro
 import placement
 from roles.actor import Actor
 from roles.reference import Reference
-from roles.reward import Reward
+from roles.reward import Reward, last_failure
 from roles.rollout import serve
 from utils import algos, checkpoint, dist, errors
 from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
@@ -145,6 +147,23 @@ class Args:
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
 
 
+def parse_flags() -> Args:
+    """tyro's parse. Only rank 0 speaks: a typo in a flag is reported once, not once per rank."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        if rank == "0":
+            return tyro.cli(Args)
+        with open(os.devnull, "w") as quiet, redirect_stdout(quiet), redirect_stderr(quiet):
+            return tyro.cli(Args)
+    except SystemExit as e:
+        if e.code and rank == "0":  # not --help
+            print("error: the flags do not parse (see above); python train_grpo.py --help lists them",
+                  file=sys.stderr, flush=True)
+        elif e.code:
+            errors.wait_for_rank_0()
+        raise
+
+
 def check_args(args: Args, world: int):
     """Every flag's range and the combinations that cannot work, in the order of Args: a mistake
     stops the run here, before any process group or model load, with what to change."""
@@ -182,22 +201,38 @@ def check_args(args: Args, world: int):
          "it only applies to --placement disaggregate (drop it)"),
         ("save_every", args.save_every >= 0, "0 (on SIGTERM only) or a number of steps"),
         ("keep_last", args.keep_last >= 1, "1 or more"),
-        ("resume", args.resume in ("restart", "auto", "none") or os.path.isdir(args.resume),
-         "restart, auto, none or the path of a checkpoint directory (there is none at that path)"),
+        ("resume", args.resume in ("restart", "auto", "none") or checkpoint.is_complete(args.resume),
+         "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that path)"),
+        ("run_dir", not os.path.isfile(args.run_dir), "a directory (this is a file)"),
         ("save_hf_every", args.save_hf_every >= 0, "0 (off) or a number of steps"),
         ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds"),
     ]
     for flag, holds, use in rules:
         if not holds:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use {use}")
+    if "accuracy" in args.rewards and args.answer_column is None:
+        raise UserError("--rewards accuracy compares each completion with the row's answer: pass "
+                        "--answer-column, or use other --rewards")
     # the placement's own checks (rollout ranks, staleness, the batch split) need only the world size
-    placement.check(args.placement, world, args.prompts_per_step, args.rollout_ranks, args.max_staleness)
+    layout = placement.check(args.placement, world, args.prompts_per_step, args.rollout_ranks,
+                             args.max_staleness)
+    rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
+    if rows % args.minibatches:
+        raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
+                        f"trainer rank trains per step: use a divisor of {rows}")
     try:
         read_config(args.model)
         Tokenizer(args.model)
         check_checkpoint(args.model)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"--model: {e}") from None
+
+
+def last_checkpoint(run_dir: str) -> str:
+    path = checkpoint.find(run_dir)[0]
+    if path is None:
+        return "No checkpoint was saved."
+    return f"The last complete checkpoint is {path}."
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -318,7 +353,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse_flags()
     errors.install()  # a UserError ends the run with one line, `error: ...` (RL_DEBUG=1: a traceback)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     cfg, tok = read_config(args.model), Tokenizer(args.model)
@@ -366,6 +401,7 @@ if __name__ == "__main__":
     start = checkpoint.resume(args.run_dir, args.resume, actor, rank)  # steps already done
     stop = {"sigterm": False}  # torchrun (or a scheduler) asks us to stop: save, then exit
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(sigterm=True))  # Ctrl-C: the same
     log = None
     if rank == 0:
         log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start)
@@ -444,13 +480,12 @@ if __name__ == "__main__":
                  sync, timer, skipped_steps, unscored_steps)
         if skipped_steps > args.max_skipped_steps:
             raise UserError(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
-                            f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. The "
-                            f"last complete checkpoint is in {args.run_dir}/checkpoints")
+                            f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. "
+                            f"{last_checkpoint(args.run_dir)}")
         if unscored_steps > args.max_skipped_steps:
             raise UserError(f"stopping: in {unscored_steps} steps every reward failed (--max-skipped-steps "
-                            f"{args.max_skipped_steps}); check the --rewards functions {list(args.rewards)} "
-                            f"(they raised, ran past --reward-timeout-s or gave NaN/inf). The last complete "
-                            f"checkpoint is in {args.run_dir}/checkpoints")
+                            f"{args.max_skipped_steps}); check --rewards {' '.join(args.rewards)}: "
+                            f"{last_failure(args.rewards)}. {last_checkpoint(args.run_dir)}")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
             path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
             checkpoint.export_hf(actor, path, rank, args.model)

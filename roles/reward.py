@@ -138,8 +138,8 @@ def resolve(name: str):
     module, fn = name.split(":", 1)
     try:
         return getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"reward {name!r} could not be loaded: {e}") from e
+    except Exception as e:  # not found, or the module itself fails on import (a SyntaxError too)
+        raise UserError(f"reward {name!r} could not be loaded: {type(e).__name__}: {e}") from None
 
 
 class Reward:
@@ -183,6 +183,15 @@ def _alarm(*_):
     raise RewardTimeout()
 
 
+_last_failure = {}  # reward name -> the last exception one of its samples raised
+
+
+def last_failure(names) -> str:
+    """What the named reward functions last raised, for a message."""
+    seen = [f"{n}: {_last_failure[n]}" for n in names if n in _last_failure]
+    return "; ".join(seen) or "no exception: they timed out or returned NaN/inf"
+
+
 def _call(name, fn, prompts, completions, columns, timeout_s):
     """fn's scores, and which samples failed (a failed one scores 0.0 here)."""
     if timeout_s:  # a Python function can't be killed, but it can be interrupted
@@ -201,9 +210,10 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
                         raise ValueError("non-finite score")
                     out.append(float(v))
                     failed.append(False)
-                except Exception:
+                except Exception as e:
                     out.append(0.0)
                     failed.append(True)
+                    _last_failure[name] = f"{type(e).__name__}: {e}"
             return out, failed
     except RewardTimeout:
         return [0.0] * len(completions), [True] * len(completions)
@@ -213,6 +223,10 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
     if len(out) != len(completions):
         raise UserError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} "
                         "completions; it must return one float per completion")
-    out = [float(v) for v in out]
+    try:
+        out = [float(v) for v in out]
+    except (TypeError, ValueError):
+        raise UserError(f"reward function {name!r} returned {out[:4]!r}...: it must return one float per "
+                        "completion") from None
     failed = [not math.isfinite(v) for v in out]  # NaN/inf scores are failures
     return [0.0 if bad else v for v, bad in zip(out, failed)], failed

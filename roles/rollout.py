@@ -6,6 +6,7 @@ messages below, pickled over point-to-point sends (utils/dist.py); the weights t
 never travel as messages but as a bucketed broadcast from trainer 0.
 """
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -159,7 +160,13 @@ def serve(plan, engine):
     bufs = {}  # bucket buffers, kept across syncs
     while True:
         t = time.perf_counter()
-        msgs = [dist.recv_obj(r, plan.request_group) for r in plan.served]
+        try:
+            msgs = [dist.recv_obj(r, plan.request_group) for r in plan.served]
+        except RuntimeError:
+            # a trainer went away (it stopped on a mistake, which it reports, or it died, which
+            # torchrun reports): nothing left to serve, and no traceback to add to theirs
+            print(f"rollout rank {plan.rank}: its trainers went away; stopping", file=sys.stderr, flush=True)
+            dist.exit_now(1)
         stats["idle_s"] += time.perf_counter() - t
         kinds = {type(m) for m in msgs}
         if len(kinds) > 1:

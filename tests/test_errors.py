@@ -41,12 +41,17 @@ CASES = [  # (flags, what the error line must say)
     (["--micro-batch-size", "0"], "--micro-batch-size 0: use 1 or more"),
     (["--timeout-s", "0"], "--timeout-s 0.0: use a positive number of seconds"),
     (["--reward-weights", "1", "2"], "--reward-weights (1.0, 2.0): use one weight per --rewards term"),
-    (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: use restart, auto, none or the path"),
+    (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: use restart, auto, none or a complete"),
+    (["--resume", "{tmp}"], "use restart, auto, none or a complete checkpoint"),
+    (["--learning-rate", "1e-4"], "the flags do not parse (see above)"),
+    (["--run-dir", "{tmp}/bad.jsonl"], "--run-dir"),
     # combinations that cannot work
     (["--sync-bucket-mb", "8"], "it only applies to --placement disaggregate"),
     (["--max-staleness", "1"], "add --placement disaggregate --rollout-ranks K"),
     (["--rollout-ranks", "1"], "--rollout-ranks applies to --placement disaggregate only"),
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
+    (["--minibatches", "3"], "--minibatches 3 does not split the 8 completions"),
+    (["--answer-column", "None"], "--rewards accuracy compares each completion with the row's answer"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
@@ -55,11 +60,17 @@ CASES = [  # (flags, what the error line must say)
     (["--dataset", "{tmp}/int_prompt.jsonl", "--eval-every", "0"], "int_prompt.jsonl' row 1: column 'prompt'"),
     (["--dataset", "{tmp}/list_answer.jsonl", "--eval-every", "0"], "row 0: column 'answer' must be a string"),
     (["--dataset", "{tmp}/junk.parquet", "--eval-every", "0"], "junk.parquet' is not a readable parquet file"),
+    (["--dataset", "{tmp}/missing.jsonl"], "dataset file '{tmp}/missing.jsonl' does not exist"),
+    (["--dataset", "{tmp}/bad.jsonl", "--eval-every", "0", "--placement", "disaggregate", "--rollout-ranks", "1"],
+     "bad.jsonl' line 2: not valid JSON"),  # on 3 ranks: the rollout rank leaves without a traceback
     # rewards, after the process group (the last two during the steps)
     (["--rewards", "nonsense"], "reward 'nonsense': use one of"),
+    (["--rewards", "tests.helpers.rewards:words"], "returned ['good', 'good', 'good', 'good']...: it must return"),
     (["--rewards", "tests.helpers.rewards:wrong_length"], "returned 1 scores for 8 completions"),
     (["--rewards", "tests.helpers.rewards:always_fails", "--max-skipped-steps", "1"],
-     "stopping: in 2 steps every reward failed (--max-skipped-steps 1)"),
+     "stopping: in 2 steps every reward failed (--max-skipped-steps 1); check --rewards "
+     "tests.helpers.rewards:always_fails: tests.helpers.rewards:always_fails: RuntimeError: this reward always "
+     "fails. No checkpoint was saved."),
 ]
 
 
@@ -73,8 +84,10 @@ def inputs(tmp_path_factory):
 @pytest.mark.parametrize("flags,says", CASES, ids=[" ".join(f)[:40] for f, _ in CASES])
 def test_a_mistake_ends_in_one_error_line(flags, says, inputs, tmp_path):
     flags = [f.replace("{tmp}", str(inputs)) for f in flags]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           *TINY, "--run-dir", str(tmp_path / "run"), *flags]
+    says = says.replace("{tmp}", str(inputs))
+    ranks = 3 if "disaggregate" in flags else 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "train_grpo.py", *TINY, "--run-dir", str(tmp_path / "run"), *flags]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = p.stdout + p.stderr

@@ -74,6 +74,11 @@ def find(run_dir: str) -> tuple[str | None, list[str]]:
     return (complete[-1] if complete else None), partial
 
 
+def is_complete(path: str) -> bool:
+    """A checkpoint directory that was written to the end (meta.json is written last)."""
+    return os.path.isfile(os.path.join(path, "meta.json"))
+
+
 def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | None = None) -> dict:
     """Collective: every rank calls it after `step` steps are done. Returns seconds and the path."""
     t = time.perf_counter()

@@ -22,6 +22,15 @@ BUILTIN = "builtin:arith"
 EOS = "<|endoftext|>"
 
 
+def read_json(file: str):
+    """A JSON file's content, or a UserError naming the file and the place it breaks."""
+    with open(file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+
+
 class Tokenizer:
     """tokenizer.json via the `tokenizers` library, plus tokenizer_config.json's special
     tokens and chat template (rendered with jinja2, as transformers does)."""
@@ -30,11 +39,13 @@ class Tokenizer:
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{path!r} has no tokenizer.json (a fast tokenizer is required)")
-        self.tok = HFTokenizer.from_file(file)
+        try:
+            self.tok = HFTokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library's own error: a broken or foreign file
+            raise UserError(f"{file} is not a readable tokenizer ({e})") from None
         conf = {}
         if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            with open(os.path.join(path, "tokenizer_config.json")) as f:
-                conf = json.load(f)
+            conf = read_json(os.path.join(path, "tokenizer_config.json"))
         self.chat_template = conf.get("chat_template")
         if self.chat_template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
             with open(os.path.join(path, "chat_template.jinja")) as f:
@@ -46,8 +57,7 @@ class Tokenizer:
             self.eos_ids.add(self.tok.token_to_id(self.eos_token))
         for name in ("config.json", "generation_config.json"):  # HF lists extra stop ids here
             if os.path.isfile(os.path.join(path, name)):
-                with open(os.path.join(path, name)) as f:
-                    eos = json.load(f).get("eos_token_id")
+                eos = read_json(os.path.join(path, name)).get("eos_token_id")
                 self.eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         pad = tokname(conf.get("pad_token"))
         self.pad_id = self.tok.token_to_id(pad) if pad else None
@@ -164,14 +174,20 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
                 raise UserError(_unreadable(source, ext, e)) from None
             finally:
                 datasets.logging.set_verbosity_error()
+        elif source.endswith((".jsonl", ".json", ".parquet")) or source.startswith(("/", ".", "~")):
+            raise UserError(f"dataset file {source!r} does not exist")  # a path, not a hub id
         else:  # a hub id: the only place the network is used
-            ds = datasets.load_dataset(source, split=split)
+            try:
+                ds = datasets.load_dataset(source, split=split)
+            except Exception as e:  # offline, a wrong id, a missing split
+                raise UserError(f"dataset {source!r} could not be loaded as a hub dataset ({type(e).__name__}: "
+                                f"{str(e)[:200]}); offline, pass a local .jsonl/.json/.parquet file") from None
         if prompt_column not in ds.column_names:
             raise UserError(f"dataset {source!r} has no prompt column {prompt_column!r}; its columns are "
                             f"{ds.column_names}: pass --prompt-column with one of them")
         if answer_column and answer_column not in ds.column_names:
             raise UserError(f"dataset {source!r} has no answer column {answer_column!r}; its columns are "
-                            f"{ds.column_names}: pass --answer-column with one of them (or none)")
+                            f"{ds.column_names}: pass --answer-column with one of them (or None: no answers)")
         rows = ds.to_list()
     if not rows:
         raise UserError(f"dataset {source!r} (split {split!r}) is empty")

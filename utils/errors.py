@@ -27,22 +27,31 @@ def install():
     sys.excepthook = _report
 
 
+def wait_for_rank_0():
+    """On a rank other than 0 that met a mistake: the ranks meet the same mistake together, and
+    rank 0 says it; torchrun then stops this rank during the wait. Were this rank to leave
+    first, torchrun could stop rank 0 before it said anything."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(WAIT_S)
+
+
 def _report(kind, error, tb):
     # to the real stderr: torch.distributed wraps this hook with one that buffers sys.stderr
     # (to prefix each line with the rank) and would lose what is written before os._exit
     stderr = sys.__stderr__
     rank = int(os.environ.get("RANK", "0"))
+    if issubclass(kind, KeyboardInterrupt):  # Ctrl-C before the step loop (which saves and stops)
+        if rank == 0:
+            print("interrupted", file=stderr, flush=True)
+        os._exit(130)
     if not issubclass(kind, UserError) or os.environ.get("RL_DEBUG") == "1":
         for line in "".join(traceback.format_exception(kind, error, tb)).splitlines():
             print(f"[rank{rank}]: {line}", file=stderr)
         stderr.flush()
         os._exit(1)  # not a normal exit: with gloo running it can abort (see utils.dist.exit_now)
     if rank != 0:
-        # the ranks meet the same mistake together: rank 0 says it, and torchrun then stops this
-        # rank during the wait (were it to leave first, torchrun could stop rank 0 before it
-        # said anything). Still here afterwards: a mistake only this rank met, said by it.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(WAIT_S)
+        wait_for_rank_0()
+        # still here: a mistake only this rank met, said by it
         print(f"error: (rank {rank}) {error}", file=stderr, flush=True)
     else:
         print(f"error: {error}", file=stderr, flush=True)

@@ -284,8 +284,9 @@ def read_config(path: str) -> ModelConfig:
         raise FileNotFoundError(
             f"{path!r} has no config.json; point --model at a Hugging Face checkpoint directory "
             "(config.json, *.safetensors, tokenizer.json)")
-    with open(cfg_file) as f:
-        d = json.load(f)
+    from utils.data import read_json
+
+    d = read_json(cfg_file)
     try:
         return ModelConfig.from_hf(d)
     except KeyError as e:
