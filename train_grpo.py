@@ -38,6 +38,7 @@ from utils.engines import SamplingParams, make_engine
 from utils.errors import UserError
 from utils.logger import Logger, Timer
 from utils.model import check_checkpoint, read_config
+from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
 
@@ -499,6 +500,10 @@ if __name__ == "__main__":
     if args.save_final and not stopped:
         checkpoint.export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
     if rank == 0:
+        final_dir = None
+        if args.save_final and not stopped:
+            final_dir = os.path.join(args.run_dir, "final")
+        log.summary(final_dir, plot(args.run_dir))
         log.close()
     engine.close()  # before the process group: vLLM built its own groups on it
     dist.exit_now(0)

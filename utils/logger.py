@@ -59,6 +59,40 @@ class Logger:
                 f"train {g('perf/train_s', '{:.2f}')}s sync {g('perf/sync_s', '{:.2f}')}s "
                 f"| {g('perf/tokens_per_s', '{:.0f}')} tok/s | {elapsed:.0f}s, eta {eta:.0f}s")
 
+    def summary(self, final_dir: str | None, picture: str | None) -> str:
+        """The run in a few lines: held-out accuracy at the start and the end, the time and each
+        phase's share of it, tokens/s, peak memory, and where the model and the picture are."""
+        self.file.flush()
+        rows = read_metrics(self.path)
+        steps = [r for r in rows if not r.get("final")]
+        evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        total_s = time.time() - self.start
+        step_s = sum(r.get("perf/step_s", 0.0) for r in steps)
+        lines = []
+        if evals:
+            lines.append(f"held-out accuracy {evals[0]:.3f} at the start, {evals[-1]:.3f} at the end "
+                         f"({len(evals)} evals)")
+        if steps and step_s > 0:
+            shares = []
+            for key, name in (("perf/generate_s", "generate"), ("perf/reference_s", "reference"),
+                              ("perf/train_s", "train"), ("perf/sync_s", "weight sync")):
+                share = sum(r.get(key, 0.0) for r in steps) / step_s
+                if share >= 0.005:
+                    shares.append(f"{name} {share:.0%}")
+            tokens = sum(r.get("perf/tokens_per_s", 0.0) * r.get("perf/step_s", 0.0) for r in steps)
+            memory = max(r.get("perf/peak_mem_gib", 0.0) for r in steps)
+            lines.append(f"{len(steps)} steps in {total_s:.0f}s ({step_s:.0f}s in steps: {', '.join(shares)}); "
+                         f"{tokens / step_s:.0f} tokens/s; peak memory {memory:.2f} GiB")
+        where = [f"metrics {self.path}"]
+        if final_dir:
+            where.append(f"final model {final_dir}")
+        if picture:
+            where.append(f"picture {picture}")
+        lines.append("; ".join(where))
+        text = "\n".join(f"summary | {line}" for line in lines)
+        print(text, flush=True)
+        return text
+
     def close(self):
         self.file.close()
         if self.wandb is not None:
