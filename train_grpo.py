@@ -16,15 +16,12 @@ The loss is `loss_fn` below; the step loop is at the bottom of the file.
 import math
 import os
 import signal
-import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Literal
 
 import torch
-import tyro
 
 import placement
 from roles.actor import Actor
@@ -148,23 +145,6 @@ class Args:
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
 
 
-def parse_flags() -> Args:
-    """tyro's parse. Only rank 0 speaks: a typo in a flag is reported once, not once per rank."""
-    rank = os.environ.get("RANK", "0")
-    try:
-        if rank == "0":
-            return tyro.cli(Args)
-        with open(os.devnull, "w") as quiet, redirect_stdout(quiet), redirect_stderr(quiet):
-            return tyro.cli(Args)
-    except SystemExit as e:
-        if e.code and rank == "0":  # not --help
-            print("error: the flags do not parse (see above); python train_grpo.py --help lists them",
-                  file=sys.stderr, flush=True)
-        elif e.code:
-            errors.wait_for_rank_0()
-        raise
-
-
 def check_args(args: Args, world: int):
     """Every flag's range and the combinations that cannot work, in the order of Args: a mistake
     stops the run here, before any process group or model load, with what to change."""
@@ -227,13 +207,6 @@ def check_args(args: Args, world: int):
         check_checkpoint(args.model)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"--model: {e}") from None
-
-
-def last_checkpoint(run_dir: str) -> str:
-    path = checkpoint.find(run_dir)[0]
-    if path is None:
-        return "No checkpoint was saved."
-    return f"The last complete checkpoint is {path}."
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -354,7 +327,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
 
 
 if __name__ == "__main__":
-    args = parse_flags()
+    args = errors.cli(Args)
     errors.install()  # a UserError ends the run with one line, `error: ...` (RL_DEBUG=1: a traceback)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     cfg, tok = read_config(args.model), Tokenizer(args.model)
@@ -482,11 +455,11 @@ if __name__ == "__main__":
         if skipped_steps > args.max_skipped_steps:
             raise UserError(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. "
-                            f"{last_checkpoint(args.run_dir)}")
+                            f"{checkpoint.last_complete(args.run_dir)}")
         if unscored_steps > args.max_skipped_steps:
             raise UserError(f"stopping: in {unscored_steps} steps every reward failed (--max-skipped-steps "
                             f"{args.max_skipped_steps}); check --rewards {' '.join(args.rewards)}: "
-                            f"{last_failure(args.rewards)}. {last_checkpoint(args.run_dir)}")
+                            f"{last_failure(args.rewards)}. {checkpoint.last_complete(args.run_dir)}")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
             path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
             checkpoint.export_hf(actor, path, rank, args.model)

@@ -74,6 +74,14 @@ def find(run_dir: str) -> tuple[str | None, list[str]]:
     return (complete[-1] if complete else None), partial
 
 
+def last_complete(run_dir: str) -> str:
+    """Where the newest complete checkpoint is, said for a message."""
+    path = find(run_dir)[0]
+    if path is None:
+        return "No checkpoint was saved."
+    return f"The last complete checkpoint is {path}."
+
+
 def is_complete(path: str) -> bool:
     """A checkpoint directory that was written to the end (meta.json is written last)."""
     return os.path.isfile(os.path.join(path, "meta.json"))

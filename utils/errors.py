@@ -11,6 +11,7 @@ brings tracebacks back for user errors too.
 """
 import os
 import signal
+from contextlib import redirect_stderr, redirect_stdout
 import sys
 import time
 import traceback
@@ -25,6 +26,26 @@ class UserError(ValueError):
 def install():
     """Route uncaught exceptions through `_report`."""
     sys.excepthook = _report
+
+
+def cli(flags_class):
+    """tyro's parse of the command line. Only rank 0 speaks: a typo in a flag is reported once,
+    not once per rank, followed by an `error:` line."""
+    import tyro
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        if rank == "0":
+            return tyro.cli(flags_class)
+        with open(os.devnull, "w") as quiet, redirect_stdout(quiet), redirect_stderr(quiet):
+            return tyro.cli(flags_class)
+    except SystemExit as e:
+        if e.code and rank == "0":  # not --help
+            print(f"error: the flags do not parse (see above); python {sys.argv[0]} --help lists them",
+                  file=sys.stderr, flush=True)
+        elif e.code:
+            wait_for_rank_0()
+        raise
 
 
 def wait_for_rank_0():
