@@ -52,11 +52,11 @@ class Args:
     """dataset column holding the reference answer (none: reward functions get no answer)"""
     eval_dataset: str | None = None
     """held-out prompts; default: the built-in task's eval split, or a hub id's 'test' split"""
-    eval_every: int = 25
+    eval_every: int = 100
     """evaluate the held-out reward every this many steps (0: never)"""
     eval_prompts: int = 256
     """at most this many held-out prompts per evaluation"""
-    steps: int = 250
+    steps: int = 800
     """optimizer steps (one rollout batch each)"""
     prompts_per_step: int = 64
     """prompts per step over all trainer ranks (each takes prompts_per_step / trainers)"""
@@ -88,6 +88,11 @@ class Args:
     """AdamW learning rate (after warm-up)"""
     warmup_steps: int = 3
     """linear learning-rate warm-up"""
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    """after the warm-up, linear: decay to 0 at the last step; constant: stay at --lr. At a constant
+    rate the update noise stays as large once the policy is good, and it wanders off: the tiny
+    default run's held-out accuracy went 0.46 at step 200 -> 0.33 at 250 (constant) against a
+    steady rise to 0.76 (linear)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -106,8 +111,9 @@ class Args:
     """token: every token weighs the same (DAPO); sequence: mean per completion first (GRPO)"""
     minibatches: int = 1
     """optimizer steps per rollout batch (>1: later ones are off-policy; the ratio and clip handle it)"""
-    micro_batch_size: int = 64
-    """completions per forward/backward on each rank"""
+    micro_batch_size: int = 256
+    """completions per forward/backward on each rank (fewer FSDP gathers per step: 0.30 -> 0.22 s
+    of training per step on the tiny default against 64; lower it for a large model's memory)"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
@@ -351,17 +357,18 @@ if __name__ == "__main__":
         dist.exit_now(0)
 
     # data: every rank tokenises the same rows and later takes its own slice of each step
-    train_rows = load_rows(args.dataset, "train", args.prompt_column, args.answer_column, args.seed)
+    train_rows = load_rows(args.dataset, "train", args.prompt_column, args.answer_column)
     rows, skipped = tokenize_rows(train_rows, tok, args.max_prompt_tokens)
     held_out = eval_source(args.dataset, args.eval_dataset)
     eval_rows = []
     if held_out and args.eval_every:
-        test_rows = load_rows(held_out, "test", args.prompt_column, args.answer_column, args.seed)
+        test_rows = load_rows(held_out, "test", args.prompt_column, args.answer_column)
         eval_rows = tokenize_rows(test_rows, tok, args.max_prompt_tokens)[0][:args.eval_prompts]
 
     # roles
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
-                  args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size)
+                  args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size,
+                  decay_steps=args.steps if args.lr_schedule == "linear" else 0)
     ref = None
     if args.kl_coef > 0:
         ref = Reference(args.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)

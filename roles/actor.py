@@ -1,5 +1,7 @@
 """The policy under FSDP2: the update's mechanics around an editable loss, and full weights for
 the engine."""
+from functools import partial
+
 import torch
 
 from utils.data import micro_batches, take_rows
@@ -7,12 +9,22 @@ from utils.dist import full_tensors, load_sharded, reduce, weight_specs
 from utils.model import completion_logprobs
 
 
+def lr_factor(warmup_steps: int, decay_steps: int, step: int) -> float:
+    """The learning rate's multiplier at optimizer step `step`: a linear warm-up over
+    warmup_steps, times a linear decay to 0 at decay_steps (none when decay_steps is 0)."""
+    factor = min(1.0, (step + 1) / max(1, warmup_steps))
+    if decay_steps:
+        factor *= max(0.0, 1 - step / decay_steps)
+    return factor
+
+
 class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
-                 micro_batch_size: int = 64):
+                 micro_batch_size: int = 64, decay_steps: int = 0):
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
-        micro_batch_size: completions per forward/backward."""
+        micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
+        linearly to 0 over this many optimizer steps (0: constant after the warm-up)."""
         self.model = load_sharded(path, mesh, device, param_dtype)
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
         self.param_dtype = param_dtype
@@ -24,9 +36,8 @@ class Actor:
         # 2.5M-param bench model, this 5)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                      betas=(0.9, 0.99), fused=True)
-        # linear warm-up to lr over warmup_steps optimizer steps, then constant
-        warmup = max(1, warmup_steps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warmup))
+        schedule = partial(lr_factor, warmup_steps, decay_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
 
     def full_weights(self, exact: bool = False):
         """(hf_name, full tensor) for the engine, gathered one FSDP2 block at a time in the
