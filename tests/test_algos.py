@@ -111,3 +111,12 @@ def test_token_logprobs_match_a_loop():
             z = [x / 0.5 for x in logits[b, t].tolist()]
             lse = math.log(sum(math.exp(x) for x in z))
             assert got[b, t].item() == pytest.approx(z[tokens[b, t]] - lse, rel=1e-5)
+
+
+def test_the_learning_rate_warms_up_then_decays_linearly_to_zero():
+    from roles.actor import lr_factor
+
+    assert [round(lr_factor(3, 10, s), 6) for s in range(11)] == [
+        round(min(1, (s + 1) / 3) * (1 - s / 10), 6) for s in range(11)]
+    assert lr_factor(3, 10, 10) == 0.0 and lr_factor(3, 10, 2) == 0.8
+    assert lr_factor(3, 0, 500) == 1.0  # constant after the warm-up
