@@ -26,7 +26,7 @@ import torch
 import placement
 from roles.actor import Actor
 from roles.reference import Reference
-from roles.reward import Reward, last_failure
+from roles.reward import Reward
 from roles.rollout import serve
 from utils import algos, checkpoint, dist, errors
 from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
@@ -237,7 +237,7 @@ def update(actor, batch, args, plan):
     """--minibatches optimizer steps on this rank's batch. Each minibatch's loss is normalised by
     its token (or completion) count over all trainer ranks, so that FSDP's gradient average is
     the mean over the whole minibatch. Returns the steps' metric sums and maxima."""
-    size = -(-len(batch["adv"]) // args.minibatches)  # rows per minibatch, rounded up
+    size = len(batch["adv"]) // args.minibatches  # rows per minibatch (check_args: it divides)
     minis = list(micro_batches(batch, size))
     counts = []
     for mini in minis:
@@ -466,7 +466,7 @@ if __name__ == "__main__":
         if unscored_steps > args.max_skipped_steps:
             raise UserError(f"stopping: in {unscored_steps} steps every reward failed (--max-skipped-steps "
                             f"{args.max_skipped_steps}); check --rewards {' '.join(args.rewards)}: "
-                            f"{last_failure(args.rewards)}. {checkpoint.last_complete(args.run_dir)}")
+                            f"{reward.last_failure()}. {checkpoint.last_complete(args.run_dir)}")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
             path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
             checkpoint.export_hf(actor, path, rank, args.model)

@@ -114,8 +114,8 @@ def check_sandbox():
     user namespaces for an unprivileged user)."""
     if not run_sandboxed("pass", timeout_s=30):
         raise UserError("the code reward's sandbox does not start here: it needs util-linux's `unshare` "
-                           "and root or unprivileged user namespaces (sysctl "
-                           "kernel.unprivileged_userns_clone=1)")
+                        "and root or unprivileged user namespaces "
+                        "(sysctl kernel.unprivileged_userns_clone=1)")
 
 
 def code_passes(prompts, completions, tests, timeout_s=5.0, memory_mb=512, **_):
@@ -150,6 +150,7 @@ class Reward:
             raise UserError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
         self.terms = [(n, resolve(n), w) for n, w in zip(names, weights)]
         self.timeout_s = timeout_s
+        self.failures = {}  # reward name -> what the last of its failed samples raised
         if "code" in names:
             check_sandbox()
             self.terms = [(n, functools.partial(fn, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
@@ -168,11 +169,16 @@ class Reward:
             timeout_s = self.timeout_s
             if name == "code":
                 timeout_s = None
-            scores, term_failed = _call(name, fn, prompts, completions, columns, timeout_s)
+            scores, term_failed = _call(name, fn, prompts, completions, columns, timeout_s, self.failures)
             parts[name] = torch.tensor(scores)
             total += w * parts[name]
             failed |= torch.tensor(term_failed, dtype=torch.bool)
         return total.masked_fill(failed, 0.0), parts, failed
+
+    def last_failure(self) -> str:
+        """What the reward functions' failed samples last raised, for a message."""
+        seen = [f"{name}: {why}" for name, why in self.failures.items()]
+        return "; ".join(seen) or "no exception: they timed out or returned NaN/inf"
 
 
 class RewardTimeout(BaseException):
@@ -183,17 +189,9 @@ def _alarm(*_):
     raise RewardTimeout()
 
 
-_last_failure = {}  # reward name -> the last exception one of its samples raised
-
-
-def last_failure(names) -> str:
-    """What the named reward functions last raised, for a message."""
-    seen = [f"{n}: {_last_failure[n]}" for n in names if n in _last_failure]
-    return "; ".join(seen) or "no exception: they timed out or returned NaN/inf"
-
-
-def _call(name, fn, prompts, completions, columns, timeout_s):
-    """fn's scores, and which samples failed (a failed one scores 0.0 here)."""
+def _call(name, fn, prompts, completions, columns, timeout_s, failures: dict):
+    """fn's scores, and which samples failed (a failed one scores 0.0 here); what a failed
+    sample raised goes to `failures[name]`."""
     if timeout_s:  # a Python function can't be killed, but it can be interrupted
         signal.signal(signal.SIGALRM, _alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -213,7 +211,7 @@ def _call(name, fn, prompts, completions, columns, timeout_s):
                 except Exception as e:
                     out.append(0.0)
                     failed.append(True)
-                    _last_failure[name] = f"{type(e).__name__}: {e}"
+                    failures[name] = f"{type(e).__name__}: {e}"
             return out, failed
     except RewardTimeout:
         return [0.0] * len(completions), [True] * len(completions)

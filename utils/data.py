@@ -161,7 +161,8 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
         import datasets
 
         datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
+        # its own messages about a file it cannot parse name no line: the errors below do
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         if os.path.exists(source):
             ext = os.path.splitext(source)[1].lstrip(".")
             kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
@@ -169,13 +170,10 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
                 raise UserError(f"dataset file {source!r}: expected .jsonl, .json or .parquet")
             if os.path.getsize(source) == 0:
                 raise UserError(f"dataset {source!r} is empty")
-            datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors: we say them
             try:
                 ds = datasets.load_dataset(kind, data_files=source, split="train")
             except Exception as e:  # a parse error deep in pyarrow: find the line ourselves
                 raise UserError(_unreadable(source, ext, e)) from None
-            finally:
-                datasets.logging.set_verbosity_error()
         elif source.endswith((".jsonl", ".json", ".parquet")) or source.startswith(("/", ".", "~")):
             raise UserError(f"dataset file {source!r} does not exist")  # a path, not a hub id
         else:  # a hub id: the only place the network is used

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from utils.data import read_json
 from utils.errors import UserError
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
@@ -284,8 +285,6 @@ def read_config(path: str) -> ModelConfig:
         raise FileNotFoundError(
             f"{path!r} has no config.json; point --model at a Hugging Face checkpoint directory "
             "(config.json, *.safetensors, tokenizer.json)")
-    from utils.data import read_json
-
     d = read_json(cfg_file)
     try:
         return ModelConfig.from_hf(d)
