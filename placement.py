@@ -197,12 +197,17 @@ def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float) -> dict:
     of the rollout role, and `device_idle`, the seconds in which this rank's device (and, in
     disaggregate, its share of its rollout rank's) had nothing to do. Summed over the trainers
     these are the `placement/` metrics, and what a rebalancer would read. `seconds` holds the
-    step's phases (utils.logger.Timer): wait, sync, eval, generate, reward, reference, train."""
+    step's phases (utils.logger.Timer): wait, sync, eval, generate, and the trainer's own (reward,
+    reference, train; PPO's reward_model, values, critic_train)."""
     phase = lambda name: seconds.get(name, 0.0)  # noqa: E731
     # the trainer role waits while samples are made (colocate: this rank makes them; disaggregate:
-    # its rollout rank does), and is busy scoring, running the reference and training
+    # its rollout rank does), and is busy in every other phase but the sync: scoring, the
+    # reference, the critic, training
     trainer_idle = phase("wait") + phase("eval") + phase("generate")
-    trainer_busy = phase("reward") + phase("reference") + phase("train")
+    trainer_busy = 0.0
+    for name, s in seconds.items():
+        if name not in ("wait", "eval", "generate", "sync"):
+            trainer_busy += s
     if plan.mode == "disaggregate":
         rollout = engine.take_stats()  # the rollout rank's seconds since the last step
         rollout_busy = rollout["busy_s"] + rollout["sync_s"]

@@ -26,7 +26,9 @@ import torch
 import placement
 from roles.actor import Actor
 from roles.reference import Reference
+from roles import reward_model
 from roles.reward import Reward
+from roles.reward_model import RewardModel
 from roles.rollout import serve
 from utils import algos, checkpoint, dist, errors
 from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
@@ -73,9 +75,13 @@ class Args:
     top_k: int = 0
     """top-k sampling (0: off)"""
     rewards: tuple[str, ...] = ("accuracy",)
-    """reward terms: accuracy, format, or module:function (fn(prompts, completions, **columns))"""
+    """reward terms: accuracy, format, code, rm (the --reward-model), or module:function
+    (fn(prompts, completions, **columns))"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward term (default: all 1)"""
+    reward_model: str | None = None
+    """a Bradley-Terry reward model (a HF ...ForSequenceClassification checkpoint with the policy's
+    tokenizer; train_rm.py trains one): the `rm` term of --rewards"""
     reward_timeout_s: float = 60.0
     """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
     code_timeout_s: float = 5.0
@@ -169,6 +175,8 @@ def check_args(args: Args, world: int):
         ("rewards", len(args.rewards) >= 1, "at least one reward term"),
         ("reward_weights", len(args.reward_weights) in (0, len(args.rewards)),
          f"one weight per --rewards term ({len(args.rewards)}), or none"),
+        ("reward_model", (args.reward_model is None) == ("rm" not in args.rewards),
+         "a reward model together with the `rm` term of --rewards (say both, or neither)"),
         ("reward_timeout_s", args.reward_timeout_s > 0, "a positive number of seconds"),
         ("code_timeout_s", args.code_timeout_s > 0, "a positive number of seconds"),
         ("code_memory_mb", args.code_memory_mb >= 32, "32 or more"),
@@ -213,6 +221,8 @@ def check_args(args: Args, world: int):
         check_checkpoint(args.model)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"--model: {e}") from None
+    if args.reward_model:
+        reward_model.check(args.reward_model, args.model)
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -298,6 +308,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
     seconds = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
         **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
+        "rm_s": seconds.get("reward_model", 0.0),
         "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device), "step_s": step_s,
         "staleness": staleness})
     if plan.rank != 0:
@@ -319,7 +330,8 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "train/logprob_gap_max": peak["gap_max"],
         # the rest had advantage 0 (and no KL term): not run
         "train/rows_trained": total["rows"] / N,
-        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/train_s": peak["train_s"],
+        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
+        "perf/train_s": peak["train_s"],
         "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
@@ -372,6 +384,9 @@ if __name__ == "__main__":
     ref = None
     if args.kl_coef > 0:
         ref = Reference(args.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
+    rm = None
+    if args.reward_model:
+        rm = RewardModel(args.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
     reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s,
                     args.code_memory_mb)
     accuracy = Reward(["accuracy"])  # the held-out metric
@@ -379,7 +394,7 @@ if __name__ == "__main__":
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k,
                               args.max_new_tokens)
 
-    start = checkpoint.resume(args.run_dir, args.resume, actor, rank)  # steps already done
+    start = checkpoint.resume(args.run_dir, args.resume, actor, rank)["step"]  # steps already done
     stop = {"sigterm": False}  # torchrun (or a scheduler) asks us to stop: save, then exit
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(sigterm=True))  # Ctrl-C: the same
@@ -426,21 +441,25 @@ if __name__ == "__main__":
             local, ticket = in_flight.pop(step)
             out = engine.result(ticket)
         engine.release()
+        prompt_ids = per_sample([r["ids"] for r in local], n)
+        batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
 
-        # reward: this controller scores its own samples
+        # reward: this controller scores its own samples (the reward model on its token ids)
+        rm_scores = None
+        if rm:
+            with timer("reward_model"):
+                rm_scores = rm.score(batch)  # [N]
         with timer("reward"):
             columns = dataset_columns(local, n)  # answer and the rest, one value per completion
             columns["finish_reason"] = out.finish_reasons
             prompts = per_sample([r["prompt"] for r in local], n)
-            rewards, parts, failed = reward.score(prompts, out.texts, columns)  # [N], {term: [N]}, [N]
+            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)  # [N], {term: [N]}, [N]
 
         # advantages: group-relative over the samples that have a reward, one per completion, the
         # same for each of its tokens; a sample whose reward failed is left out of the loss
         scored = ~failed  # [N]
         adv = algos.group_advantages(rewards.view(-1, n), args.scale_std, scored=scored.view(-1, n))
         adv = adv.view(-1, 1)  # [N, 1]
-        prompt_ids = per_sample([r["ids"] for r in local], n)
-        batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
         batch["loss_mask"] = batch["loss_mask"] * scored[:, None].to(device)  # [N, T]
         batch["old_logp"] = out.logprobs.to(device)  # [N, T]
         batch["adv"] = adv.to(device).expand_as(batch["loss_mask"])  # [N, T]

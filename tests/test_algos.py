@@ -120,3 +120,107 @@ def test_the_learning_rate_warms_up_then_decays_linearly_to_zero():
         round(min(1, (s + 1) / 3) * (1 - s / 10), 6) for s in range(11)]
     assert lr_factor(3, 10, 10) == 0.0 and lr_factor(3, 10, 2) == 0.8
     assert lr_factor(3, 0, 500) == 1.0  # constant after the warm-up
+
+
+# ---------------------------------------------------------------- PPO with a critic
+
+def test_token_rewards_match_a_loop():
+    """-kl_coef * KL on every completion token, the score added on the last one; padding and an
+    empty completion get nothing."""
+    torch.manual_seed(0)
+    lengths = [4, 1, 0, 2]
+    T = 4
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).float()  # [B, T]
+    kl, score = torch.rand(4, T), torch.randn(4)
+    got = algos.token_rewards(score, kl, mask, kl_coef=0.05)
+    for i, n in enumerate(lengths):
+        for t in range(T):
+            want = -0.05 * kl[i, t].item() if t < n else 0.0
+            if t == n - 1:
+                want += score[i].item()
+            assert got[i, t].item() == pytest.approx(want, abs=1e-6)
+
+
+def naive_gae(rewards: list, values: list, gamma: float, lam: float):
+    """One completion's GAE, backwards over its own tokens only: (advantages, returns) lists."""
+    adv, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        adv[t] = running
+    return adv, [a + v for a, v in zip(adv, values)]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.99, 0.95), (0.9, 0.0), (0.5, 1.0)])
+def test_gae_matches_a_backward_loop_per_sequence(gamma, lam):
+    """Completions of different lengths in one batch (one of length 1, one empty): each sees only
+    its own tokens. Rewards and values in the padding are garbage and must be ignored."""
+    torch.manual_seed(0)
+    lengths = [6, 1, 3, 0, 5]
+    B, T = len(lengths), 6
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).float()  # [B, T]
+    rewards, values = torch.randn(B, T), torch.randn(B, T)  # nonzero in the padding too
+    adv, returns = algos.gae(rewards, values, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        want_adv, want_ret = naive_gae(rewards[i, :n].tolist(), values[i, :n].tolist(), gamma, lam)
+        assert adv[i, :n].tolist() == pytest.approx(want_adv, abs=1e-5)
+        assert returns[i, :n].tolist() == pytest.approx(want_ret, abs=1e-5)
+        assert (adv[i, n:] == 0).all() and (returns[i, n:] == 0).all()
+        if gamma == 1.0 and lam == 1.0:  # the values cancel: the return is the sum of future rewards
+            r = rewards[i, :n].tolist()
+            assert returns[i, :n].tolist() == pytest.approx([sum(r[t:]) for t in range(n)], abs=1e-5)
+
+
+def test_clipped_value_loss_matches_a_loop():
+    torch.manual_seed(0)
+    old = torch.randn(4, 8)
+    values = old + torch.randn(4, 8) * 0.5  # many move further than the clip
+    returns = torch.randn(4, 8)
+    loss, clipped = algos.clipped_value_loss(values, old, returns, clip=0.2)
+    for i in range(4):
+        for t in range(8):
+            v, o, r = values[i, t].item(), old[i, t].item(), returns[i, t].item()
+            vc = o + min(max(v - o, -0.2), 0.2)
+            plain, with_clip = (v - r) ** 2, (vc - r) ** 2
+            assert loss[i, t].item() == pytest.approx(0.5 * max(plain, with_clip), rel=1e-5, abs=1e-6)
+            assert clipped[i, t].item() == (with_clip > plain)
+    assert clipped.any() and not clipped.all()  # both branches were tested
+
+
+def test_masked_moments_and_whiten_match_a_loop():
+    """Mean 0 and (population) std 1 over the mask, 0 outside it, whatever the padding holds."""
+    torch.manual_seed(0)
+    lengths = [5, 1, 3, 0]
+    mask = (torch.arange(5)[None] < torch.tensor(lengths)[:, None]).float()  # [B, T]
+    x = 3.0 + 2.0 * torch.randn(4, 5)
+    x[mask == 0] = 1e4  # garbage in the padding
+    total, total_sq, count = algos.masked_moments(x, mask)
+    kept = [x[i, t].item() for i in range(4) for t in range(5) if mask[i, t]]
+    assert total.dtype == torch.float64
+    assert count.item() == len(kept) and total.item() == pytest.approx(sum(kept), rel=1e-6)
+    assert total_sq.item() == pytest.approx(sum(v * v for v in kept), rel=1e-6)
+    got = algos.whiten(x, mask, total, total_sq, count)
+    assert got.dtype == x.dtype
+    mean = sum(kept) / len(kept)
+    std = math.sqrt(sum((v - mean) ** 2 for v in kept) / len(kept))
+    out = [got[i, t].item() for i in range(4) for t in range(5) if mask[i, t]]
+    assert out == pytest.approx([(v - mean) / (std + 1e-8) for v in kept], abs=1e-5)
+    assert sum(out) / len(out) == pytest.approx(0.0, abs=1e-6)
+    assert math.sqrt(sum(v * v for v in out) / len(out)) == pytest.approx(1.0, abs=1e-5)
+    assert (got[mask == 0] == 0).all()
+
+
+def test_adaptive_kl_coef_follows_the_clipped_error():
+    """Ziegler et al. 2019: beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * samples / horizon."""
+    f = 256 / 10000
+
+    def step(kl):
+        return algos.adaptive_kl_coef(0.1, kl, target=6.0, horizon=10000, samples=256)
+
+    assert step(6.0) == pytest.approx(0.1)  # on target: unchanged
+    assert step(6.6) == pytest.approx(0.1 * (1 + 0.1 * f))  # 10% above: up
+    assert step(5.4) == pytest.approx(0.1 * (1 - 0.1 * f))  # 10% below: down
+    assert step(60.0) == pytest.approx(0.1 * (1 + 0.2 * f))  # the error is clipped at +0.2
+    assert step(0.0) == pytest.approx(0.1 * (1 - 0.2 * f))  # and at -0.2
+    assert step(6.6) > 0.1 > step(5.4)

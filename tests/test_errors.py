@@ -1,5 +1,6 @@
 """A user's mistake ends the run with one `error:` line and no traceback from the workers; a
 failed reward is left out of its group and of the loss."""
+import json
 import os
 import re
 import shutil
@@ -11,11 +12,12 @@ import pytest
 import torch
 from test_fsdp import ROOT
 from test_train_grpo import TINY
+from test_train_ppo import PPO_TINY
 
 from utils import errors
 
 # a frame of our own code in a traceback (torch's own utils/ excluded)
-OUR_FRAME = re.compile(r'File "[^"]*(train_grpo\.py|placement\.py|roles/\w+\.py|(?<!torch)/utils/\w+\.py)"')
+OUR_FRAME = re.compile(r'File "[^"]*(train_(grpo|ppo|rm)\.py|placement\.py|roles/\w+\.py|(?<!torch)/utils/\w+\.py)"')
 
 
 def make_inputs(tmp):
@@ -28,6 +30,10 @@ def make_inputs(tmp):
     weights = tmp / "truncated" / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:len(data) // 2])
+    shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "rm_without_pad")
+    config = json.loads((tmp / "rm_without_pad" / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForSequenceClassification"]
+    (tmp / "rm_without_pad" / "config.json").write_text(json.dumps(config))
 
 
 CASES = [  # (flags, what the error line must say)
@@ -52,6 +58,11 @@ CASES = [  # (flags, what the error line must say)
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
     (["--minibatches", "3"], "--minibatches 3 does not split the 8 completions"),
     (["--answer-column", "None"], "--rewards accuracy compares each completion with the row's answer"),
+    (["--rewards", "accuracy", "rm"], "--reward-model None: use a reward model together with the `rm` term"),
+    (["--reward-model", "assets/arith-tiny"], "--reward-model assets/arith-tiny: use a reward model together"),
+    (["--rewards", "rm", "--reward-model", "assets/arith-tiny"],
+     "--reward-model assets/arith-tiny is a Qwen2ForCausalLM: use a ...ForSequenceClassification checkpoint"),
+    (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
@@ -74,6 +85,17 @@ CASES = [  # (flags, what the error line must say)
 ]
 
 
+PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own check_args
+    (["--value-clip", "0"], "--value-clip 0.0: use a positive number"),
+    (["--lam", "1.5"], "--lam 1.5: use a number in [0, 1]"),
+    (["--kl-target", "0.1", "--kl-coef", "0"], "--kl-target 0.1: use it adapts --kl-coef"),
+    (["--critic-model", "{tmp}/nothing"], "--critic-model: checkpoint directory"),
+    (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
+    (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
+]
+CASES = [("train_grpo.py", f, s) for f, s in CASES] + [("train_ppo.py", f, s) for f, s in PPO_CASES]
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_inputs")
@@ -81,13 +103,13 @@ def inputs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("flags,says", CASES, ids=[" ".join(f)[:40] for f, _ in CASES])
-def test_a_mistake_ends_in_one_error_line(flags, says, inputs, tmp_path):
+@pytest.mark.parametrize("script,flags,says", CASES, ids=[f"{s[6:9]} {' '.join(f)[:40]}" for s, f, _ in CASES])
+def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path):
     flags = [f.replace("{tmp}", str(inputs)) for f in flags]
     says = says.replace("{tmp}", str(inputs))
     ranks = 3 if "disaggregate" in flags else 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "train_grpo.py", *TINY, "--run-dir", str(tmp_path / "run"), *flags]
+           script, *(TINY if script == "train_grpo.py" else PPO_TINY), "--run-dir", str(tmp_path / "run"), *flags]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = p.stdout + p.stderr

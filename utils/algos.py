@@ -1,5 +1,6 @@
-"""RL math as pure tensor functions: advantages, the clipped surrogate, KL estimators,
-loss aggregation. No model, no distributed state; each is tested against a plain loop."""
+"""RL math as pure tensor functions: advantages (group-relative, GAE), the clipped surrogate and
+value losses, KL estimators and the adaptive KL coefficient, whitening, loss aggregation, the
+Bradley-Terry loss. No model, no distributed state; each is tested against a plain loop."""
 import torch
 
 
@@ -71,3 +72,75 @@ def token_logprobs(logits, tokens, temperature: float = 1.0):
     """log softmax(logits / T) at `tokens`: logits [B, T, V], tokens [B, T] -> [B, T]."""
     logp = torch.log_softmax(logits.float() / temperature, -1)  # [B, T, V]
     return logp.gather(-1, tokens[..., None])[..., 0]
+
+
+# ---------------------------------------------------------------- PPO with a critic
+
+def token_rewards(score, kl, mask, kl_coef: float):
+    """PPO's per-token reward for RLHF (Ziegler et al. 2019; Ouyang et al. 2022): -kl_coef * KL
+    at every completion token, plus the sequence's score on its last token. score [B]; kl,
+    mask [B, T] (right-padded completions: mask is 1 on a prefix) -> [B, T]."""
+    rewards = -kl_coef * kl * mask  # [B, T]
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [B] index of the last completion token
+    has_tokens = (mask.sum(-1) > 0).to(score.dtype)  # [B] an empty completion gets nothing
+    rewards[torch.arange(len(score)), last] += score * has_tokens
+    return rewards
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), backwards over each
+    completion: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1},
+    with V = 0 after the last token. Returns (advantages, returns = A + V): the critic's target.
+    rewards, values, mask [B, T] (right-padded: mask is 1 on a prefix) -> ([B, T], [B, T])."""
+    rewards, values = rewards * mask, values * mask  # [B, T]: padding adds nothing
+    B, T = rewards.shape
+    adv = torch.zeros_like(rewards)  # [B, T]
+    running = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # [B] A_{t+1}
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)  # [B]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # [B]
+        running = delta + gamma * lam * running
+        adv[:, t] = running
+    adv = adv * mask
+    return adv, (adv + values) * mask
+
+
+def masked_moments(x, mask):
+    """(sum, sum of squares, count) of x where mask is 1: x, mask [B, T] -> 3 scalars, in
+    float64. Summed over ranks, they give the whole batch's mean and variance (`whiten`)."""
+    x, mask = x.double(), mask.double()
+    return (x * mask).sum(), (x * x * mask).sum(), mask.sum()
+
+
+def whiten(x, mask, total, total_sq, count, eps: float = 1e-8):
+    """(x - mean) / std with the batch's moments (`masked_moments`, summed over all trainer ranks,
+    so that every rank whitens by the same numbers), 0 outside the mask. As OpenRLHF and TRL
+    whiten PPO's advantages. x, mask [B, T] -> [B, T]."""
+    mean = total / count.clamp(min=1)
+    var = (total_sq / count.clamp(min=1) - mean * mean).clamp(min=0)
+    return ((x - mean) / (var.sqrt() + eps)).to(x.dtype) * mask
+
+
+def clipped_value_loss(values, old_values, returns, clip: float):
+    """PPO's clipped value loss (as in OpenAI baselines' ppo2 and Ziegler et al. 2019): the
+    larger of the squared errors of V and of V clipped to old_values +- clip, halved.
+    values, old_values, returns [B, T] -> (loss [B, T], clipped [B, T] bool: the clipped error
+    was the larger)."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
+    plain = (values - returns) ** 2  # [B, T]
+    with_clip = (clipped_values - returns) ** 2  # [B, T]
+    return 0.5 * torch.maximum(plain, with_clip), with_clip > plain
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, samples: int) -> float:
+    """Ziegler et al. 2019's adaptive KL controller (section 2.2): the error
+    e = clip(KL / target - 1, -0.2, 0.2) moves the coefficient by a factor 1 + e * samples / horizon
+    after each batch of `samples` completions whose mean KL (summed over tokens) is `kl`."""
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * samples / horizon)
+
+
+def bradley_terry_loss(chosen, rejected):
+    """The Bradley-Terry loss of a reward model on preference pairs (Ouyang et al. 2022, eq. 1):
+    -log sigmoid(r_chosen - r_rejected). chosen, rejected [B] -> [B]."""
+    return -torch.nn.functional.logsigmoid(chosen - rejected)

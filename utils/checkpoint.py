@@ -1,7 +1,7 @@
 """Sharded training state with torch.distributed.checkpoint (DCP), saved atomically.
 
 A checkpoint is a directory `run_dir/checkpoints/step_00000012/` (12 steps done) holding the DCP shards of
-the model and optimizer (each rank writes its own), `rank{r}.json` with that rank's RNG
+the model and optimizer (each rank writes its own; PPO's critic beside them), `rank{r}.json` with that rank's RNG
 state, and `meta.json` (step, LR schedule, model shape) written last by rank 0. It is
 written as `step_00000012.tmp/` and renamed only when complete, so a job killed while
 saving leaves the previous checkpoint as the newest complete one. Tensors go through DCP,
@@ -87,8 +87,19 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "meta.json"))
 
 
-def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | None = None) -> dict:
-    """Collective: every rank calls it after `step` steps are done. Returns seconds and the path."""
+def _state(actor, critic) -> dict:
+    """The tensors DCP saves and loads: the actor's model and optimizer, and the critic's."""
+    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        model_sd, optim_sd = get_state_dict(critic.model, critic.opt)
+        state.update(critic_model=model_sd, critic_optim=optim_sd)
+    return state
+
+
+def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None, extra: dict | None = None) -> dict:
+    """Collective: every rank calls it after `step` steps are done; `extra` (JSON) goes into
+    meta.json (PPO's KL coefficient). Returns seconds and the path."""
     t = time.perf_counter()
     final = os.path.join(_dir(run_dir), f"{PREFIX}{step:08d}")
     tmp = final + ".tmp"
@@ -96,10 +107,9 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=actor.group)
-    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
     error = ""
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=actor.group)
+        dcp.save(_state(actor, critic), checkpoint_id=tmp, process_group=actor.group)
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             json.dump({"torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}, f)
     except (OSError, CheckpointException) as e:  # a full disk, a quota: lose this save, not the run
@@ -114,6 +124,8 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
     if rank == 0:
         meta = {"step": step, "scheduler": actor.sched.state_dict(), "model": actor.config.to_hf(),
                 "world": dist.get_world_size(actor.group), **(extra or {})}
+        if critic is not None:
+            meta.update(critic_scheduler=critic.sched.state_dict(), critic=critic.config.to_hf())
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
         if os.path.exists(final):  # the same step saved again (a resumed run): replace it whole
@@ -126,9 +138,9 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, extra: dict | Non
     return {"seconds": time.perf_counter() - t, "path": final, "error": None}
 
 
-def save_and_report(run_dir: str, step: int, actor, keep: int, rank: int):
+def save_and_report(run_dir: str, step: int, actor, keep: int, rank: int, critic=None, extra=None):
     """`save`, and rank 0 says how it went; a failed save does not stop the run."""
-    saved = save(run_dir, step, actor, keep, rank)
+    saved = save(run_dir, step, actor, keep, rank, critic, extra)
     if rank != 0:
         return
     if saved["error"]:
@@ -148,25 +160,39 @@ def export_hf(actor, path: str, rank: int, tokenizer_dir: str):
         save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
 
 
-def load(path: str, actor, rank: int) -> dict:
-    """Collective: restores model and optimizer shards, LR schedule and RNG; returns meta."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    ours, theirs = actor.config.to_hf(), meta["model"]
+def _same_shape(path: str, theirs: dict, ours: dict, flag: str):
     shape_keys = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
     diff = {k: (theirs.get(k), ours.get(k)) for k in shape_keys if theirs.get(k) != ours.get(k)}
     if diff:
-        raise UserError(f"checkpoint {path} is from a different model shape (checkpoint, --model): {diff}; "
-                        "resume with the --model it was trained from, or start a new --run-dir")
-    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeReader(path), process_group=actor.group)
-    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in actor.opt.param_groups]
-    set_state_dict(actor.model, actor.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for g, flags in zip(actor.opt.param_groups, impl):  # how to step is ours, not the checkpoint's
+        raise UserError(f"checkpoint {path} is from a different model shape (checkpoint, {flag}): {diff}; "
+                        f"resume with the {flag} it was trained from, or start a new --run-dir")
+
+
+def _restore(role, model_sd, optim_sd, scheduler: dict):
+    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in role.opt.param_groups]
+    set_state_dict(role.model, role.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for g, flags in zip(role.opt.param_groups, impl):  # how to step is ours, not the checkpoint's
         g.update(flags)  # (one saved before fused AdamW would turn it off)
-    actor.sched.load_state_dict(meta["scheduler"])
+    role.sched.load_state_dict(scheduler)
+
+
+def load(path: str, actor, rank: int, critic=None) -> dict:
+    """Collective: restores model and optimizer shards (the critic's too), LR schedules and RNG;
+    returns meta."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    _same_shape(path, meta["model"], actor.config.to_hf(), "--model")
+    if critic is not None and "critic" not in meta:
+        raise UserError(f"checkpoint {path} has no critic (a GRPO run's?): resume PPO from a PPO run's "
+                        "checkpoint, or start a new --run-dir")
+    if critic is not None:
+        _same_shape(path, meta["critic"], critic.config.to_hf(), "--critic-model")
+    state = _state(actor, critic)
+    dcp.load(state, storage_reader=SafeReader(path), process_group=actor.group)
+    _restore(actor, state["model"], state["optim"], meta["scheduler"])
+    if critic is not None:
+        _restore(critic, state["critic_model"], state["critic_optim"], meta["critic_scheduler"])
     rank_file = os.path.join(path, f"rank{rank}.json")
     if os.path.isfile(rank_file):  # a different world size: ranks beyond the old one keep their seed
         with open(rank_file) as f:
@@ -175,8 +201,9 @@ def load(path: str, actor, rank: int) -> dict:
     return meta
 
 
-def resume(run_dir: str, how: str, actor, rank: int) -> int:
-    """Continue from a checkpoint as --resume says; returns the steps already done (0: afresh).
+def resume(run_dir: str, how: str, actor, rank: int, critic=None) -> dict:
+    """Continue from a checkpoint as --resume says; returns its meta.json, whose "step" is the
+    steps already done ({"step": 0}: afresh).
 
     restart: the newest complete checkpoint in run_dir, only when torchrun has restarted the job
       (--max-restarts), so that a new launch into an old run_dir starts afresh;
@@ -196,8 +223,8 @@ def resume(run_dir: str, how: str, actor, rank: int) -> int:
     if rank == 0 and looked and partial:
         print(f"ignoring incomplete checkpoint(s): {partial}", flush=True)
     if not path:
-        return 0
-    step = load(path, actor, rank)["step"]
+        return {"step": 0}
+    meta = load(path, actor, rank, critic)
     if rank == 0:
-        print(f"resumed from {path}: continuing at step {step + 1}", flush=True)
-    return step
+        print(f"resumed from {path}: continuing at step {meta['step'] + 1}", flush=True)
+    return meta

@@ -10,6 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from utils.errors import UserError
+
 
 def init(timeout_s: float = 300) -> tuple[int, int, torch.device]:
     """Join the torchrun world (a world of 1 when run as a plain script). gloo on CPU, NCCL on
@@ -72,17 +74,28 @@ def shard(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32):
     return model
 
 
-def load_sharded(path: str, mesh, device, param_dtype=torch.float32):
+def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head: bool = False):
     """Build on meta, shard with FSDP2, allocate only this rank's shards, then copy each
-    checkpoint tensor's slice in (torchtitan's order: no rank ever holds a full model)."""
+    checkpoint tensor's slice in (torchtitan's order: no rank ever holds a full model).
+    value_head: a value model with one score: a score checkpoint's own head, or a causal
+    checkpoint's decoder with a zero head (every value starts at 0, as the critic's baseline)."""
     from utils.model import Transformer, iter_checkpoint, load_state, read_config
 
+    cfg = read_config(path)
+    fresh_head = value_head and not cfg.scores
+    if fresh_head:
+        cfg = cfg.with_score_head(1)
+    if value_head and cfg.num_labels != 1:
+        raise UserError(f"{path} scores {cfg.num_labels} labels; a value model needs one")
     with torch.device("meta"):
-        model = Transformer(read_config(path))
+        model = Transformer(cfg)
     shard(model, mesh, param_dtype=param_dtype)
     model.to_empty(device=device)
     model.init_buffers()
-    load_state(model, iter_checkpoint(path))
+    load_state(model, iter_checkpoint(path), may_lack=("score.weight",) if fresh_head else ())
+    if fresh_head:
+        with torch.no_grad():
+            model.score.weight.zero_()
     return model
 
 

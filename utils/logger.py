@@ -54,12 +54,17 @@ class Logger:
         g = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"  # noqa: E731
         if m.get("final"):
             return f"final policy | eval {g('eval/accuracy')} | {elapsed:.0f}s in all"
+        critic = ""
+        if "train/value_loss" in m:  # PPO: the critic's numbers and its phases
+            critic = (f"| vloss {g('train/value_loss', '{:.4f}')} ev {g('train/explained_variance', '{:.2f}')} "
+                      f"kl_coef {g('train/kl_coef', '{:.4f}')} values {g('perf/values_s', '{:.2f}')}s "
+                      f"critic {g('perf/critic_train_s', '{:.2f}')}s ")
         return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/accuracy')} "
                 f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} "
                 f"| len {g('rollout/response_len', '{:.1f}')} "
                 f"| gen {g('perf/generate_s', '{:.2f}')}s ref {g('perf/reference_s', '{:.2f}')}s "
                 f"train {g('perf/train_s', '{:.2f}')}s sync {g('perf/sync_s', '{:.2f}')}s "
-                f"| {g('perf/tokens_per_s', '{:.0f}')} tok/s | {elapsed:.0f}s, eta {eta:.0f}s")
+                f"{critic}| {g('perf/tokens_per_s', '{:.0f}')} tok/s | {elapsed:.0f}s, eta {eta:.0f}s")
 
     def summary(self, final_dir: str | None, picture: str | None) -> str:
         """The run in a few lines: held-out accuracy at the start and the end, the time and each
@@ -77,7 +82,9 @@ class Logger:
         if steps and step_s > 0:
             shares = []
             for key, name in (("perf/generate_s", "generate"), ("perf/reference_s", "reference"),
-                              ("perf/train_s", "train"), ("perf/sync_s", "weight sync")):
+                              ("perf/reward_model_s", "reward model"), ("perf/values_s", "critic values"),
+                              ("perf/critic_train_s", "critic update"), ("perf/train_s", "train"),
+                              ("perf/sync_s", "weight sync")):
                 share = sum(r.get(key, 0.0) for r in steps) / step_s
                 if share >= 0.005:
                     shares.append(f"{name} {share:.0%}")

@@ -1,5 +1,9 @@
 """A Qwen2 / Llama decoder in plain torch, with HF safetensors load and save.
 
+The same decoder with a `score` head instead of `lm_head` is HF's `...ForSequenceClassification`
+(a reward model, or with one label the critic's value model): `Transformer.forward` then
+returns one score per position and label instead of logits.
+
 Parameter names are the Hugging Face names (`model.layers.0.self_attn.q_proj.weight`),
 so a state dict goes to transformers, to vLLM's `load_weights` and back without a
 rename table. The model is built on the meta device and materialised with
@@ -18,7 +22,8 @@ from torch import nn
 from utils.data import read_json
 from utils.errors import UserError
 
-SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+             "Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceClassification": "llama"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -39,6 +44,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None  # ...ForSequenceClassification: scores sit on the last non-pad token
+    num_labels: int = 1  # ...ForSequenceClassification: outputs of the score head
     extra: dict = field(default_factory=dict)  # the rest of config.json, written back unchanged
 
     @classmethod
@@ -70,11 +77,13 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
-            attention_bias=True if arch == "Qwen2ForCausalLM" else bool(d.get("attention_bias", False)),
+            attention_bias=True if arch.startswith("Qwen2") else bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            num_labels=len(d.get("id2label") or {0: 0}),
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -92,20 +101,37 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
         )
-        if self.architecture == "LlamaForCausalLM":
+        if self.pad_token_id is not None:
+            d["pad_token_id"] = self.pad_token_id
+        if self.scores:
+            labels = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            d.update(id2label=labels, label2id={v: int(k) for k, v in labels.items()})
+        if self.architecture.startswith("Llama"):
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         elif not self.attention_bias:
             raise UserError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
         return d
 
+    @property
+    def scores(self) -> bool:
+        """A sequence-classification model: a `score` head [num_labels, hidden] instead of lm_head."""
+        return self.architecture.endswith("ForSequenceClassification")
+
+    def with_score_head(self, num_labels: int = 1) -> "ModelConfig":
+        """This decoder as ...ForSequenceClassification (the critic's value model)."""
+        from dataclasses import replace
+        arch = self.architecture.replace("ForCausalLM", "ForSequenceClassification")
+        return replace(self, architecture=arch, num_labels=num_labels, tie_word_embeddings=False)
+
     def num_params(self, embeddings: bool = True) -> int:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
-        bias = (q + 2 * kv + (h if self.architecture == "LlamaForCausalLM" else 0)) if self.attention_bias else 0
+        bias = (q + 2 * kv + (h if self.architecture.startswith("Llama") else 0)) if self.attention_bias else 0
         attn = h * q + 2 * h * kv + q * h + bias
         layer = attn + 3 * h * self.intermediate_size + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + h + (emb if embeddings else 0)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings or self.scores else 2)
+        head = h * self.num_labels if self.scores else 0
+        return self.num_hidden_layers * layer + h + head + (emb if embeddings else 0)
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +161,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias and cfg.architecture == "LlamaForCausalLM")
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias and cfg.architecture.startswith("Llama"))
 
     def forward(self, x, cos, sin, mask, cache, layer: int):
         B, S, _ = x.shape
@@ -207,8 +233,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        if cfg.scores:  # HF's ...ForSequenceClassification: a bias-free score head, no lm_head
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings and not cfg.scores:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
 
@@ -231,7 +260,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, positions=None, mask=None, cache: KVCache | None = None, logits_from: int = 0):
         """tokens [B, S]; positions [B, S] (default 0..S-1 after the cache); mask: bool [B, 1, S, L]
-        (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32."""
+        (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32
+        (a score model: scores [B, S - logits_from, num_labels])."""
         B, S = tokens.shape
         start = cache.pos if cache is not None else 0
         if positions is None:
@@ -245,6 +275,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.pos += S
         h = self.model.norm(h[:, logits_from:])
+        if self.config.scores:
+            return self.score(h).float()  # [B, S', num_labels]
         return self.lm_head(h).float()  # [B, S', V]
 
 
@@ -268,6 +300,29 @@ def completion_logprobs(model, batch, temperature: float):
     P, valid = batch["prompt_len"], batch["valid"]
     logits = model(batch["input_ids"], positions_from(valid), attention_mask(valid), logits_from=P - 1)
     return token_logprobs(logits[:, :-1], batch["input_ids"][:, P:], temperature)  # [N, T]
+
+
+def completion_values(model, batch):
+    """A value model's V(s_t) for each completion token t, the state being the prompt and the
+    tokens before t (the position whose logits would sample t) -> [N, T]."""
+    P, valid = batch["prompt_len"], batch["valid"]
+    out = model(batch["input_ids"], positions_from(valid), attention_mask(valid), logits_from=P - 1)
+    return out[:, :-1, 0]  # [N, T]
+
+
+def sequence_scores(model, batch):
+    """A reward model's score of each whole sequence, read at its last non-pad token (as HF's
+    ...ForSequenceClassification does) -> [N]. HF finds that token by input_ids != pad_token_id,
+    so a real token equal to the pad id (an EOS that is also the pad token, as in
+    assets/arith-tiny) is skipped here too: the score sits on the token before it, as in HF."""
+    valid = batch["valid"]
+    out = model(batch["input_ids"], positions_from(valid), attention_mask(valid))  # [N, L, 1]
+    L = valid.shape[1]
+    real = valid
+    if model.config.pad_token_id is not None:
+        real = valid & (batch["input_ids"] != model.config.pad_token_id)  # [N, L]
+    last = (torch.arange(L, device=valid.device) * real).argmax(-1)  # [N] the rightmost non-pad token
+    return out[torch.arange(len(last)), last, 0]  # [N]
 
 
 def positions_from(valid):
@@ -297,7 +352,7 @@ def build(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty/to make a new tensor per module: tie again
+    if cfg.tie_word_embeddings and not cfg.scores:  # to_empty/to make a new tensor per module: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_buffers()
     return model
@@ -340,14 +395,16 @@ def _open_safetensors(file: str):
                         "copying or downloading? Copy or export it again") from None
 
 
-def load_state(model: Transformer, weights, strict: bool = True):
+def load_state(model: Transformer, weights, strict: bool = True, may_lack: tuple[str, ...] = ()):
     """Copies (hf_name, tensor) pairs into `model` in place (DTensor-aware: a sharded
-    parameter takes its local shard of the full tensor)."""
+    parameter takes its local shard of the full tensor). A score model skips a causal
+    checkpoint's lm_head; parameters named in `may_lack` keep their values when the checkpoint
+    has none (a value head started from a policy)."""
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
         for name, tensor in weights:
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            if name == "lm_head.weight" and (model.config.tie_word_embeddings or model.config.scores):
                 continue
             if name not in params:
                 if strict:
@@ -366,7 +423,7 @@ def load_state(model: Transformer, weights, strict: bool = True):
             else:
                 p.copy_(tensor)
             seen.add(name)
-    missing = set(params) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    missing = set(params) - seen - set(may_lack) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     if strict and missing:
         raise UserError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 

@@ -1,0 +1,47 @@
+"""A Bradley-Terry reward model: a HF sequence-classification checkpoint
+(Qwen2ForSequenceClassification / LlamaForSequenceClassification: the decoder plus a one-score
+`score` head, `pad_token_id` in config.json) loaded with our model code, sharded like the
+other roles, frozen. It scores each whole sequence at its last non-pad token, as transformers
+does. `train_rm.py` trains one on preference pairs.
+
+It reads the token ids the policy generated, so it must share the policy's tokenizer."""
+import os
+
+import torch
+
+from utils.data import micro_batches
+from utils.dist import load_sharded
+from utils.errors import UserError
+from utils.model import read_config, sequence_scores
+
+
+def check(path: str, policy: str):
+    """A checkpoint the reward-model role can use with this policy, else a UserError saying why."""
+    try:
+        cfg = read_config(path)
+    except FileNotFoundError as e:
+        raise UserError(f"--reward-model: {e}") from None
+    if not cfg.scores:
+        raise UserError(f"--reward-model {path} is a {cfg.architecture}: use a ...ForSequenceClassification "
+                        "checkpoint (train_rm.py trains one)")
+    if cfg.num_labels != 1:
+        raise UserError(f"--reward-model {path} has {cfg.num_labels} labels: a reward model has one score")
+    if cfg.pad_token_id is None:
+        raise UserError(f"--reward-model {path}: config.json has no pad_token_id (a sequence-classification "
+                        "model scores the last non-pad token): add the tokenizer's pad id to it")
+    mine, theirs = os.path.join(path, "tokenizer.json"), os.path.join(policy, "tokenizer.json")
+    if not os.path.isfile(mine) or open(mine, "rb").read() != open(theirs, "rb").read():
+        raise UserError(f"--reward-model {path} has another tokenizer than --model {policy}: it reads the "
+                        "policy's token ids, so train it from the policy's tokenizer (train_rm.py --model)")
+
+
+class RewardModel:
+    def __init__(self, path: str, mesh, device, param_dtype=torch.float32, micro_batch_size: int = 64):
+        self.model = load_sharded(path, mesh, device, param_dtype).requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def score(self, batch):
+        """[N] (on the CPU): the score of each prompt + completion of a utils.data.Batch."""
+        scores = [sequence_scores(self.model, mb) for mb in micro_batches(batch, self.micro_batch_size)]
+        return torch.cat(scores).float().cpu()
