@@ -330,7 +330,8 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "train/logprob_gap_max": peak["gap_max"],
         # the rest had advantage 0 (and no KL term): not run
         "train/rows_trained": total["rows"] / N,
-        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
+        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"],
+        "perf/reward_model_s": peak["rm_s"],
         "perf/train_s": peak["train_s"],
         "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
@@ -453,7 +454,8 @@ if __name__ == "__main__":
             columns = dataset_columns(local, n)  # answer and the rest, one value per completion
             columns["finish_reason"] = out.finish_reasons
             prompts = per_sample([r["prompt"] for r in local], n)
-            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)  # [N], {term: [N]}, [N]
+            # [N], {term: [N]}, [N]
+            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)
 
         # advantages: group-relative over the samples that have a reward, one per completion, the
         # same for each of its tokens; a sample whose reward failed is left out of the loss

@@ -376,7 +376,8 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
         "train/logprob_gap_max": peak["gap_max"], "train/rows_trained": total["rows"] / N,
         "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"],
-        "perf/reward_model_s": peak["rm_s"], "perf/values_s": peak["values_s"], "perf/train_s": peak["train_s"],
+        "perf/reward_model_s": peak["rm_s"], "perf/values_s": peak["values_s"],
+        "perf/train_s": peak["train_s"],
         "perf/critic_train_s": peak["critic_s"], "perf/sync_s": peak["sync_s"],
         "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
@@ -407,7 +408,8 @@ if __name__ == "__main__":
         t = time.perf_counter()
         engine = placement.engine_for(plan, local_engine)
         if rank == plan.dp:  # the first rollout rank
-            print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
+            ready_s = time.perf_counter() - t
+            print(f"rollout ranks: {type(engine).__name__}, ready in {ready_s:.0f}s", flush=True)
         serve(plan, engine)
         engine.close()
         dist.exit_now(0)
@@ -426,8 +428,8 @@ if __name__ == "__main__":
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size, decay_steps)
     critic = Critic(args.critic_model or args.model, plan.mesh, device, args.critic_lr, args.warmup_steps,
-                    args.weight_decay, args.max_grad_norm, args.value_clip, param_dtype, args.micro_batch_size,
-                    decay_steps)
+                    args.weight_decay, args.max_grad_norm, args.value_clip, param_dtype,
+                    args.micro_batch_size, decay_steps)
     ref = None
     if args.kl_coef > 0:
         ref = Reference(args.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
@@ -450,7 +452,8 @@ if __name__ == "__main__":
     log = None
     if rank == 0:
         log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start)
-        print(f"{world} rank(s), {args.placement} ({plan.dp} trainer(s)), {type(engine).__name__}; PPO; model "
+        print(f"{world} rank(s), {args.placement} ({plan.dp} trainer(s)), {type(engine).__name__}; PPO; "
+              f"model "
               f"{args.model} ({actor.config.num_params() / 1e6:.2f}M params), critic from "
               f"{args.critic_model or args.model}; {len(rows)} train prompts ({skipped} over "
               f"--max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
@@ -500,7 +503,8 @@ if __name__ == "__main__":
             columns = dataset_columns(local, n)  # answer and the rest, one value per completion
             columns["finish_reason"] = out.finish_reasons
             prompts = per_sample([r["prompt"] for r in local], n)
-            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)  # [N], {term: [N]}, [N]
+            # [N], {term: [N]}, [N]
+            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)
         batch["loss_mask"] = batch["loss_mask"] * (~failed)[:, None].to(device)  # [N, T]: no reward, no loss
         if ref:
             with timer("reference"):

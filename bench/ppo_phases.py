@@ -19,9 +19,9 @@ sys.path.insert(0, ROOT)
 from utils.data import Tokenizer  # noqa: E402
 from utils.model import build, read_config, save_model  # noqa: E402
 
-PHASES = [("generate", "perf/generate_s"), ("reference", "perf/reference_s"), ("reward model", "perf/reward_model_s"),
-          ("critic values", "perf/values_s"), ("critic update", "perf/critic_train_s"), ("actor update", "perf/train_s"),
-          ("sync", "perf/sync_s")]
+PHASES = [("generate", "perf/generate_s"), ("reference", "perf/reference_s"),
+          ("reward model", "perf/reward_model_s"), ("critic values", "perf/values_s"),
+          ("critic update", "perf/critic_train_s"), ("actor update", "perf/train_s"), ("sync", "perf/sync_s")]
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=30)

@@ -27,12 +27,14 @@ class Critic:
         self.micro_batch_size = micro_batch_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                      betas=(0.9, 0.99), fused=True)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, partial(lr_factor, warmup_steps, decay_steps))
+        schedule = partial(lr_factor, warmup_steps, decay_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
 
     @torch.no_grad()
     def values(self, batch):
         """V [N, T]: the value of the state before each completion token (utils.data.Batch)."""
-        return torch.cat([completion_values(self.model, mb) for mb in micro_batches(batch, self.micro_batch_size)])
+        mbs = micro_batches(batch, self.micro_batch_size)
+        return torch.cat([completion_values(self.model, mb) for mb in mbs])
 
     def train_step(self, batch, norm: float):
         """One optimizer step on this rank's share of a (mini)batch that holds `values` (the
@@ -40,8 +42,8 @@ class Critic:
         mask's tokens and divided by `norm` (the minibatch's tokens over all trainers / trainers,
         so that FSDP's gradient average is the mean over the whole minibatch). Gradients are
         reduced after the last micro-batch, clipped by global norm; a non-finite norm skips the
-        step; norm 0 (no token in the loss anywhere) takes no step. Returns this rank's metric sums (value_loss, value_clipped) and maxima
-        (value_grad_norm) as tensors."""
+        step; norm 0 (no token in the loss anywhere) takes no step. Returns this rank's metric
+        sums (value_loss, value_clipped) and maxima (value_grad_norm) as tensors."""
         sums = {"value_loss": 0.0, "value_clipped": 0.0}
         if norm == 0:  # nothing in the loss on any rank (reduced, so the same everywhere): no step
             self.sched.step()
@@ -50,7 +52,8 @@ class Critic:
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             v = completion_values(self.model, mb)  # [n, T]
-            loss, clipped = algos.clipped_value_loss(v, mb["values"], mb["returns"], self.value_clip)  # [n, T]
+            # [n, T]
+            loss, clipped = algos.clipped_value_loss(v, mb["values"], mb["returns"], self.value_clip)
             mask = mb["loss_mask"]  # [n, T]
             algos.aggregate(loss, mask, "token", norm).backward()
             sums["value_loss"] += (loss.detach() * mask).sum()

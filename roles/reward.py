@@ -160,9 +160,10 @@ class Reward:
 
     def score(self, prompts: list, completions: list[str], columns: dict[str, list], rm=None):
         """One score per completion; columns hold per-completion lists (answer, finish_reason,
-        and any other dataset column); rm [N]: the reward model's scores (the `rm` term). Returns (rewards [N], {term name: [N]}, failed [N] bool):
-        a sample whose term raised, timed out or gave NaN/inf has no reward (it reads 0 here;
-        the trainer leaves it out of its group's statistics and of the loss)."""
+        and any other dataset column); rm [N]: the reward model's scores (the `rm` term).
+        Returns (rewards [N], {term name: [N]}, failed [N] bool): a sample whose term raised,
+        timed out or gave NaN/inf has no reward (it reads 0 here; the trainer leaves it out of its
+        group's statistics and of the loss)."""
         total = torch.zeros(len(completions))
         failed = torch.zeros(len(completions), dtype=torch.bool)
         parts = {}

@@ -33,6 +33,7 @@ def make_inputs(tmp):
     shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "rm_without_pad")
     config = json.loads((tmp / "rm_without_pad" / "config.json").read_text())
     config["architectures"] = ["Qwen2ForSequenceClassification"]
+    config["id2label"] = {"0": "LABEL_0"}  # one score: without id2label transformers reads 2 labels
     (tmp / "rm_without_pad" / "config.json").write_text(json.dumps(config))
 
 

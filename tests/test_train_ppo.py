@@ -41,8 +41,9 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
     for r in rows[:3]:
-        for key in ("rollout/reward", "train/kl", "train/kl_coef", "train/value_loss", "train/value_clip_frac",
-                    "train/explained_variance", "train/pg_loss", "perf/values_s", "perf/critic_train_s",
+        for key in ("rollout/reward", "train/kl", "train/kl_coef", "train/value_loss",
+                    "train/value_clip_frac", "train/explained_variance", "train/pg_loss", "perf/values_s",
+                    "perf/critic_train_s",
                     "perf/reference_s", "perf/train_s", "perf/sync_s", "train/logprob_gap_max"):
             assert key in r, key
         assert r["train/logprob_gap_max"] < 1e-4  # fp32 engine and trainer agree on the sampled tokens
@@ -73,17 +74,19 @@ def test_ppo_disaggregated_on_policy_is_the_colocate_run(tmp_path):
 
 
 def test_ppo_kill_9_then_resume_is_exact_with_critic_and_kl_controller(tmp_path):
-    flags = [f for f in PPO_TINY if f not in ("--steps", "3")] + ["--steps", "8", "--save-every", "2", *ADAPTIVE]
+    flags = [f for f in PPO_TINY if f not in ("--steps", "3")]
+    flags += ["--steps", "8", "--save-every", "2", *ADAPTIVE]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     torchrun(2, "train_ppo.py", *flags, "--run-dir", straight)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ppo.py",
-           *flags, "--run-dir", killed]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "train_ppo.py", *flags, "--run-dir", killed]
     p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
     assert p.wait(timeout=120) != 0
     assert len(metrics(killed)) < len(metrics(straight))  # stopped part-way
     meta = json.load(open(os.path.join(straight, "checkpoints", "step_00000008", "meta.json")))
-    assert meta["critic"]["architectures"] == ["Qwen2ForSequenceClassification"] and "critic_scheduler" in meta
-    assert meta["kl_coef"] == metrics(straight)[-2]["train/kl_coef"] * 1 or meta["kl_coef"] != 0.05
+    assert meta["critic"]["architectures"] == ["Qwen2ForSequenceClassification"]
+    assert "critic_scheduler" in meta
+    assert meta["kl_coef"] != 0.05  # the controller's moved coefficient is what resumes
     out = torchrun(2, "train_ppo.py", *flags, "--resume", "auto", "--run-dir", killed).stdout
     assert "resumed from" in out
     same_run(straight, killed)  # every metric (kl_coef, value loss, explained variance) and the weights
@@ -94,9 +97,10 @@ def test_a_grpo_checkpoint_does_not_resume_ppo(tmp_path):
 
     run = str(tmp_path / "run")
     torchrun(2, "train_grpo.py", *TINY, "--save-every", "1", "--steps", "1", "--run-dir", run)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_ppo.py",
-           *PPO_TINY, "--resume", "auto", "--run-dir", run]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "train_ppo.py", *PPO_TINY, "--resume", "auto", "--run-dir", run]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode != 0 and "has no critic (a GRPO run's?)" in p.stderr
 
 

@@ -149,6 +149,44 @@ def arith_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 25
 
 # ---------------------------------------------------------------- prompt datasets
 
+def read_dataset(source: str, split: str):
+    """A local .jsonl/.json/.parquet file or a hub dataset id as a `datasets.Dataset`, or a
+    UserError naming the file, the line or the id at fault."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    # its own messages about a file it cannot parse name no line: the errors below do
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    if os.path.exists(source):
+        ext = os.path.splitext(source)[1].lstrip(".")
+        kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
+        if kind is None:
+            raise UserError(f"dataset file {source!r}: expected .jsonl, .json or .parquet")
+        if os.path.getsize(source) == 0:
+            raise UserError(f"dataset {source!r} is empty")
+        try:
+            ds = datasets.load_dataset(kind, data_files=source, split="train")
+        except Exception as e:  # a parse error deep in pyarrow: find the line ourselves
+            raise UserError(_unreadable(source, ext, e)) from None
+    elif source.endswith((".jsonl", ".json", ".parquet")) or source.startswith(("/", ".", "~")):
+        raise UserError(f"dataset file {source!r} does not exist")  # a path, not a hub id
+    else:  # a hub id: the only place the network is used
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as e:  # offline, a wrong id, a missing split
+            raise UserError(f"dataset {source!r} could not be loaded as a hub dataset ({type(e).__name__}: "
+                            f"{str(e)[:200]}); offline, pass a local .jsonl/.json/.parquet file") from None
+    return ds
+
+
+def is_prompt(p) -> bool:
+    """A non-empty string or a non-empty list of {'role', 'content'} chat messages."""
+    if isinstance(p, str):
+        return bool(p)
+    return isinstance(p, list) and bool(p) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in p)
+
+
 def load_rows(source: str, split: str, prompt_column: str, answer_column: str | None):
     """Rows as dicts with 'prompt', 'answer' (may be None) and the other columns.
     source: 'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id. The built-in
@@ -158,30 +196,7 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
         rows = arith_rows("eval" if split in ("eval", "test") else "train")
         prompt_column, answer_column = "prompt", "answer"
     else:
-        import datasets
-
-        datasets.disable_progress_bars()
-        # its own messages about a file it cannot parse name no line: the errors below do
-        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-        if os.path.exists(source):
-            ext = os.path.splitext(source)[1].lstrip(".")
-            kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
-            if kind is None:
-                raise UserError(f"dataset file {source!r}: expected .jsonl, .json or .parquet")
-            if os.path.getsize(source) == 0:
-                raise UserError(f"dataset {source!r} is empty")
-            try:
-                ds = datasets.load_dataset(kind, data_files=source, split="train")
-            except Exception as e:  # a parse error deep in pyarrow: find the line ourselves
-                raise UserError(_unreadable(source, ext, e)) from None
-        elif source.endswith((".jsonl", ".json", ".parquet")) or source.startswith(("/", ".", "~")):
-            raise UserError(f"dataset file {source!r} does not exist")  # a path, not a hub id
-        else:  # a hub id: the only place the network is used
-            try:
-                ds = datasets.load_dataset(source, split=split)
-            except Exception as e:  # offline, a wrong id, a missing split
-                raise UserError(f"dataset {source!r} could not be loaded as a hub dataset ({type(e).__name__}: "
-                                f"{str(e)[:200]}); offline, pass a local .jsonl/.json/.parquet file") from None
+        ds = read_dataset(source, split)
         if prompt_column not in ds.column_names:
             raise UserError(f"dataset {source!r} has no prompt column {prompt_column!r}; its columns are "
                             f"{ds.column_names}: pass --prompt-column with one of them")
@@ -194,8 +209,7 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
     out = []
     for i, r in enumerate(rows):
         p = r.get(prompt_column)
-        if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in p)):
+        if not is_prompt(p):
             raise UserError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty string "
                             f"or a list of {{'role', 'content'}} messages, got {str(p)[:80]!r}")
         if answer_column is not None and not isinstance(r[answer_column], (str, int, float)):
@@ -261,6 +275,83 @@ def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int):
         kept.append({**r, "text": text, "ids": ids})
     if not kept:
         raise UserError(f"every prompt is longer than --max-prompt-tokens={max_prompt_tokens}; raise it")
+    return kept, skipped
+
+
+# ---------------------------------------------------------------- preference pairs (train_rm.py)
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong sum, never the answer: half the time a slip of 1, 2 or 10 (one digit
+    off), else any sum two 2-digit numbers can have."""
+    right = int(answer)
+    while True:
+        if rng.random() < 0.5:
+            wrong = right + rng.choice([-10, -2, -1, 1, 2, 10])
+        else:
+            wrong = rng.randrange(199)
+        if wrong >= 0 and wrong != right:
+            return str(wrong)
+
+
+def arith_pairs(split: str) -> list[dict]:
+    """The built-in task as preference pairs: its right answer beats a wrong one. One fixed
+    wrong answer per problem (as load_rows, the same pairs whatever --seed)."""
+    rng = random.Random(f"arith-pairs-{split}")
+    return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong_answer(r["answer"], rng)}
+            for r in arith_rows(split)]
+
+
+def load_pairs(source: str, split: str, chosen_column: str, rejected_column: str,
+               prompt_column: str | None) -> list[dict]:
+    """Preference pairs as dicts with 'prompt' (None without a prompt column: chosen and rejected
+    are then whole texts), 'chosen' and 'rejected'. source: as load_rows."""
+    if source == BUILTIN:
+        return arith_pairs("eval" if split in ("eval", "test") else "train")
+    ds = read_dataset(source, split)
+    for flag, column in (("chosen", chosen_column), ("rejected", rejected_column), ("prompt", prompt_column)):
+        if column is not None and column not in ds.column_names:
+            raise UserError(f"dataset {source!r} has no {flag} column {column!r}; its columns are "
+                            f"{ds.column_names}: pass --{flag}-column with one of them")
+    rows = ds.to_list()
+    if not rows:
+        raise UserError(f"dataset {source!r} (split {split!r}) is empty")
+    out = []
+    for i, r in enumerate(rows):
+        prompt = None
+        if prompt_column is not None:
+            prompt = r[prompt_column]
+            if not is_prompt(prompt):
+                raise UserError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty "
+                                "string or a list of {'role', 'content'} messages, got "
+                                f"{str(prompt)[:80]!r}")
+        for column in (chosen_column, rejected_column):
+            if not (isinstance(r[column], str) and r[column]):
+                raise UserError(f"dataset {source!r} row {i}: column {column!r} must be a non-empty string, "
+                                f"got {str(r[column])[:80]!r}")
+        out.append({"prompt": prompt, "chosen": r[chosen_column], "rejected": r[rejected_column]})
+    return out
+
+
+def tokenize_pairs(pairs, tok: Tokenizer, max_tokens: int):
+    """Adds 'ids' (the prompt's tokens) and 'chosen_ids' / 'rejected_ids' (each answer's, then
+    EOS) to each pair, tokenised apart as the policy makes them (its samples follow the prompt's
+    tokens); pairs whose prompt + longer answer exceed max_tokens are dropped. Without a prompt,
+    'ids' is empty and the answers are whole texts. Returns (kept pairs, number skipped)."""
+    eos = [min(tok.eos_ids)] if tok.eos_ids else []
+    kept, skipped = [], 0
+    for p in pairs:
+        ids, special = [], True
+        if p["prompt"] is not None:
+            text, special = tok.render(p["prompt"])
+            ids, special = tok.encode(text, special), False
+        chosen = tok.encode(p["chosen"], special) + eos
+        rejected = tok.encode(p["rejected"], special) + eos
+        if len(ids) + max(len(chosen), len(rejected)) > max_tokens:
+            skipped += 1
+            continue
+        kept.append({**p, "ids": ids, "chosen_ids": chosen, "rejected_ids": rejected})
+    if not kept:
+        raise UserError(f"every pair is longer than --max-tokens={max_tokens}; raise it")
     return kept, skipped
 
 

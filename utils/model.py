@@ -65,6 +65,12 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise UserError("mlp_bias=True is not supported")
         heads = d["num_attention_heads"]
+        num_labels = 1  # a causal model: unused
+        if d.get("id2label"):
+            num_labels = len(d["id2label"])
+        elif arch.endswith("ForSequenceClassification"):
+            # transformers leaves id2label out of config.json for its default, 2 labels
+            num_labels = d.get("num_labels") or 2
         known = {f for f in cls.__dataclass_fields__} | {"architectures", "rope_parameters", "model_type"}
         return cls(
             architecture=arch,
@@ -83,7 +89,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
-            num_labels=len(d.get("id2label") or {0: 0}),
+            num_labels=num_labels,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
