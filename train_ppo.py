@@ -61,11 +61,11 @@ class Args:
     """dataset column holding the reference answer (none: reward functions get no answer)"""
     eval_dataset: str | None = None
     """held-out prompts; default: the built-in task's eval split, or a hub id's 'test' split"""
-    eval_every: int = 50
+    eval_every: int = 100
     """evaluate the held-out reward every this many steps (0: never)"""
     eval_prompts: int = 256
     """at most this many held-out prompts per evaluation"""
-    steps: int = 300
+    steps: int = 600
     """optimizer steps (one rollout batch each)"""
     prompts_per_step: int = 256
     """prompts per step over all trainer ranks (each takes prompts_per_step / trainers)"""
@@ -342,7 +342,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         **sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
         "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
         "staleness": staleness, "completions": len(rewards), "completion_tokens": mask.sum(),
-        "kl_sum": kl.sum(), "returns": batch["returns"].sum(), "returns_sq": batch["returns"].square().sum(),
+        "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(), "returns_sq": batch["returns"].square().sum(),
         "error": error.sum(), "error_sq": error.square().sum()})
     seconds = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
@@ -368,7 +368,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "train/pg_loss": total.get("pg_loss", 0.0) / T, "train/kl": total["kl_sum"] / T,
         "train/kl_per_completion": total["kl_sum"] / S, "train/kl_coef": kl_coef,
         "train/clip_frac": total.get("clipped_tokens", 0.0) / T, "train/grad_norm": peak["grad_norm"],
-        "train/value_loss": total.get("value_loss", 0.0) / T,
+        "train/value_loss": total.get("value_loss", 0.0) / T, "train/value_mean": total["values"] / T,
         "train/value_clip_frac": total.get("value_clipped", 0.0) / T,
         "train/explained_variance": 1 - var_error / var_returns if var_returns > 1e-12 else 0.0,
         "train/value_grad_norm": peak.get("value_grad_norm", 0.0),

@@ -7,7 +7,8 @@ The reward model is --model's decoder with a one-score head (HF's ...ForSequence
 the head starting at zero: every score 0, every pair a tie. Each step, every rank scores its
 share of the pairs' chosen and rejected sequences at their last non-pad token and takes the
 Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) (Ouyang et al. 2022, eq. 1). The
-result, in --out, is what train_grpo's reward-model role reads; it shares --model's tokenizer.
+result, in --out, is what the reward-model role of train_grpo.py and train_ppo.py reads
+(`--rewards rm --reward-model DIR`); it shares --model's tokenizer.
 """
 import math
 import os

@@ -53,6 +53,7 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
     for before, after in zip(coefs, coefs[1:]):
         assert abs(after / before - 1) <= 0.2 * 8 / 100 + 1e-9
     assert rows[1]["train/value_loss"] > 0 and rows[1]["train/kl"] != 0  # a critic and a reference exist
+    assert rows[0]["train/value_mean"] == 0 and rows[1]["train/value_mean"] != 0  # a zero head, then it learns
     before = load_file("assets/arith-tiny/model.safetensors")
     after = load_file(os.path.join(a, "final", "model.safetensors"))
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
@@ -107,9 +108,12 @@ def test_a_grpo_checkpoint_does_not_resume_ppo(tmp_path):
 @pytest.mark.parametrize("script,tiny", [("train_ppo.py", PPO_TINY), ("train_grpo.py", TINY)])
 def test_a_reward_model_is_a_weighted_reward_term(tmp_path, reward_model_dir, script, tiny):
     run = str(tmp_path / "run")
+    critic = ["--critic-model", reward_model_dir] if script == "train_ppo.py" else []  # PPO: its critic too
     torchrun(2, script, *tiny, "--steps", "2", "--rewards", "accuracy", "rm", "--reward-weights", "1", "0.5",
-             "--reward-model", reward_model_dir, "--run-dir", run)
+             "--reward-model", reward_model_dir, *critic, "--run-dir", run)
     rows = metrics(run)[:2]
+    if critic:  # the reward model's head values the states from the first step
+        assert rows[0]["train/value_mean"] != 0
     for r in rows:
         assert r["perf/reward_model_s"] > 0
         expected = r["rollout/reward/accuracy"] + 0.5 * r["rollout/reward/rm"]
