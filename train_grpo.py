@@ -88,8 +88,20 @@ class Args:
     """the code reward's wall-clock limit per completion (sandboxed process)"""
     code_memory_mb: int = 512
     """the code reward's memory limit per completion"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: the reward falls linearly by up to --overlong-penalty over the last
+    this many tokens before --max-new-tokens (0: off)"""
+    overlong_penalty: float = 1.0
+    """DAPO's soft overlong penalty: the reward lost by a completion that reaches --max-new-tokens"""
+    mask_truncated: bool = False
+    """completions cut off at --max-new-tokens leave the loss (DAPO's overlong filtering)"""
+    advantage: Literal["grpo", "rloo", "reinforce++", "reinforce++_baseline", "remax"] = "grpo"
+    """grpo: reward minus its group's mean, over the group's std (see --scale-std); rloo: minus the
+    mean of the group's other samples; reinforce++: the KL to the reference in the per-token reward
+    (not the loss), returns whitened over the whole batch; reinforce++_baseline: the group's mean
+    subtracted first; remax: minus the reward of one greedy completion of the prompt"""
     scale_std: bool = True
-    """divide group advantages by the group's reward std (GRPO); off = Dr. GRPO"""
+    """grpo: divide group advantages by the group's reward std; off = Dr. GRPO (with --loss-agg constant)"""
     lr: float = 3e-4
     """AdamW learning rate (after warm-up)"""
     warmup_steps: int = 3
@@ -109,14 +121,38 @@ class Args:
     """PPO ratio clip below: 1 - clip_low"""
     clip_high: float = 0.28
     """PPO ratio clip above: 1 + clip_high (DAPO's clip-higher)"""
+    policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"
+    """ppo: the clipped surrogate per token; dual_clip: with a lower bound --dual-clip-c * A for negative
+    advantages; gspo: the ratio of the whole sequence (geometric mean), clipped by --gspo-clip-*; cispo:
+    the clipped ratio as a stop-gradient weight on A * log pi (clipped tokens keep their gradient)"""
+    dual_clip_c: float = 3.0
+    """dual_clip: the bound c (> 1) on the loss of tokens with negative advantage"""
+    gspo_clip_low: float = 3e-4
+    """gspo: sequence ratio clip below, 1 - this (the paper's 3e-4)"""
+    gspo_clip_high: float = 4e-4
+    """gspo: sequence ratio clip above, 1 + this (the paper's 4e-4)"""
     kl_coef: float = 0.0
     """KL penalty to the reference policy (0: no reference model is built)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman 2020)"""
-    loss_agg: Literal["token", "sequence"] = "token"
-    """token: every token weighs the same (DAPO); sequence: mean per completion first (GRPO)"""
+    loss_agg: Literal["token", "sequence", "constant"] = "token"
+    """token: every token weighs the same (DAPO); sequence: mean per completion first (GRPO); constant:
+    each completion's sum over --max-new-tokens (Dr. GRPO)"""
     minibatches: int = 1
     """optimizer steps per rollout batch (>1: later ones are off-policy; the ratio and clip handle it)"""
+    recompute_old_logp: bool = False
+    """the trainer recomputes the old policy's log-probs before the update (decoupled PPO): the clip then
+    acts on trainer/trainer ratios, and the engine's gap is left to --mismatch"""
+    mismatch: Literal["none", "tis", "mis", "icepop"] = "none"
+    """the trainer/engine log-prob mismatch, r = trainer-old / engine (implies --recompute-old-logp):
+    tis: weight min(r, --mismatch-high) on each token's loss; mis: tokens (sequences) with r outside
+    [--mismatch-low, --mismatch-high] leave the loss; icepop: weight r inside that range, 0 outside"""
+    mismatch_level: Literal["token", "sequence", "geometric"] = "token"
+    """r per token, per sequence (the product over its tokens) or their geometric mean"""
+    mismatch_low: float = 0.5
+    """mis, icepop: the lower bound on r"""
+    mismatch_high: float = 2.0
+    """tis: the truncation C; mis, icepop: the upper bound on r"""
     micro_batch_size: int = 256
     """completions per forward/backward on each rank (fewer FSDP gathers per step: 0.30 -> 0.22 s
     of training per step on the tiny default against 64; lower it for a large model's memory)"""
@@ -184,12 +220,20 @@ def check_args(args: Args, world: int):
         ("warmup_steps", args.warmup_steps >= 0, "0 or more"),
         ("weight_decay", 0 <= args.weight_decay < math.inf, "0 or more"),
         ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm"),
+        ("overlong_buffer", 0 <= args.overlong_buffer <= args.max_new_tokens,
+         f"0 (off) or a number of tokens up to --max-new-tokens ({args.max_new_tokens})"),
+        ("overlong_penalty", 0 <= args.overlong_penalty < math.inf, "0 or more"),
         ("max_skipped_steps", args.max_skipped_steps >= 0, "0 or more"),
         ("clip_low", 0 <= args.clip_low < 1, "a number in [0, 1)"),
         ("clip_high", 0 <= args.clip_high < math.inf, "0 or more"),
+        ("dual_clip_c", args.dual_clip_c > 1, "a bound above 1, such as 3"),
+        ("gspo_clip_low", 0 <= args.gspo_clip_low < 1, "a number in [0, 1), such as 3e-4"),
+        ("gspo_clip_high", 0 <= args.gspo_clip_high < math.inf, "0 or more, such as 4e-4"),
         ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (no KL term) or more"),
         ("minibatches", args.minibatches >= 1, "1 or more"),
         ("micro_batch_size", args.micro_batch_size >= 1, "1 or more"),
+        ("mismatch_low", 0 <= args.mismatch_low <= 1, "a number in [0, 1], such as 0.5"),
+        ("mismatch_high", 1 <= args.mismatch_high < math.inf, "1 or more, such as 2"),
         ("rollout_ranks", args.rollout_ranks >= 0, "0 (colocate) or more"),
         ("sync_bucket_mb", 0 < args.sync_bucket_mb < math.inf, "a positive size in MiB"),
         ("sync_bucket_mb", args.sync_bucket_mb == 64.0 or args.placement == "disaggregate",
@@ -226,21 +270,82 @@ def check_args(args: Args, world: int):
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
-    """GRPO's loss on one micro-batch (edit here to try another objective): the clipped
-    surrogate against the engine's log-probs with DAPO's clip-higher, plus kl_coef times a KL
-    estimate to the reference policy, each summed over tokens and divided by `norm` (see
-    `algos.aggregate`). logp [n, T]: the policy's log-probs of the completion tokens; batch:
-    utils.data.Batch. Returns (loss, metric sums)."""
-    mask = batch["loss_mask"]  # [n, T]
-    pg, clipped = algos.clipped_surrogate(logp, batch["old_logp"], batch["adv"], args.clip_low,
-                                          args.clip_high)  # [n, T]
-    loss = algos.aggregate(pg, mask, args.loss_agg, norm)
+    """GRPO's loss on one micro-batch (edit here to try another objective): the policy loss of
+    --policy-loss against the old log-probs (by default PPO's clipped surrogate with DAPO's
+    clip-higher), times the mismatch correction's weight if any, plus kl_coef times a KL estimate
+    to the reference policy (unless REINFORCE++ put the KL in the reward), each summed over
+    tokens and divided by `norm` (see `algos.aggregate`). logp [n, T]: the policy's log-probs of
+    the completion tokens; batch: utils.data.Batch. Returns (loss, metric sums)."""
+    mask, old, adv = batch["loss_mask"], batch["old_logp"], batch["adv"]  # [n, T] each
+    if args.policy_loss == "ppo":
+        pg, clipped = algos.clipped_surrogate(logp, old, adv, args.clip_low, args.clip_high)  # [n, T]
+    elif args.policy_loss == "dual_clip":
+        pg, clipped = algos.dual_clip_surrogate(logp, old, adv, args.clip_low, args.clip_high, args.dual_clip_c)
+    elif args.policy_loss == "gspo":
+        pg, clipped = algos.gspo_surrogate(logp, old, adv, mask, args.gspo_clip_low, args.gspo_clip_high)
+    elif args.policy_loss == "cispo":
+        pg, clipped = algos.cispo_loss(logp, old, adv, args.clip_low, args.clip_high)
+    if "is_weight" in batch:  # --mismatch tis / icepop
+        pg = pg * batch["is_weight"]  # [n, T]
+    loss = algos.aggregate(pg, mask, args.loss_agg, norm, args.max_new_tokens)
     sums = {"pg_loss": (pg.detach() * mask).sum(), "clipped_tokens": (clipped & (mask > 0)).sum()}
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and not args.advantage.startswith("reinforce++"):
         kl = algos.kl_estimate(logp, batch["ref_logp"], args.kl_estimator)  # [n, T]
-        loss = loss + args.kl_coef * algos.aggregate(kl, mask, args.loss_agg, norm)
+        loss = loss + args.kl_coef * algos.aggregate(kl, mask, args.loss_agg, norm, args.max_new_tokens)
         sums["kl"] = (kl.detach() * mask).sum()
     return loss, sums
+
+
+def advantages(rewards, scored, batch, greedy, args, plan):
+    """adv [N, T] by --advantage, from this rank's rewards and scored [N] (a sample without a reward
+    gets 0); greedy [N / n]: remax's baseline, the reward of each prompt's greedy completion."""
+    n, mask = args.num_generations, batch["loss_mask"]  # mask [N, T]
+    device = mask.device
+    if args.advantage == "grpo":
+        adv = algos.group_advantages(rewards.view(-1, n), args.scale_std, scored=scored.view(-1, n))  # [G, n]
+    elif args.advantage == "rloo":
+        adv = algos.rloo_advantages(rewards.view(-1, n), scored.view(-1, n))  # [G, n]
+    elif args.advantage == "remax":
+        adv = (rewards - greedy.repeat_interleave(n)) * scored  # [N]
+    if args.advantage in ("grpo", "rloo", "remax"):  # one advantage per completion, at each of its tokens
+        return adv.reshape(-1, 1).to(device).expand_as(mask)
+    # reinforce++: the KL to the reference in the per-token reward, returns whitened over all trainers
+    baseline = None
+    if args.advantage == "reinforce++_baseline":  # the group's mean over its scored samples, first
+        kept = torch.where(scored, rewards, 0.0).view(-1, n)  # [G, n]
+        mean = kept.sum(-1) / scored.view(-1, n).sum(-1).clamp(min=1)  # [G]
+        baseline = mean.repeat_interleave(n).to(device)  # [N]
+    kl = torch.zeros_like(mask)  # [N, T]
+    if "ref_logp" in batch:
+        kl = algos.kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask
+    returns = algos.reinforce_pp_returns(rewards.to(device), kl, mask, args.kl_coef, baseline)  # [N, T]
+    moments = torch.stack(algos.masked_moments(returns, mask))  # [3]: sum, sum of squares, count
+    torch.distributed.all_reduce(moments, group=plan.trainer_group)
+    return algos.whiten(returns, mask, *moments)
+
+
+def mismatch(actor, batch, args):
+    """--recompute-old-logp / --mismatch: the trainer's old log-probs replace the engine's as the
+    ratio's denominator (the engine's kept as engine_logp), and the correction's weight and mask
+    go into the batch. Returns its metric sums and maxima (none without --mismatch)."""
+    batch["engine_logp"] = batch["old_logp"]
+    batch["old_logp"] = actor.logprobs(batch)  # [N, T]
+    if args.mismatch == "none":
+        return {}, {}
+    mask = batch["loss_mask"]  # [N, T]
+    weight, kept, r = algos.mismatch_weights(batch["old_logp"], batch["engine_logp"], mask, args.mismatch,
+                                             args.mismatch_level, args.mismatch_low, args.mismatch_high)
+    batch["is_weight"], batch["loss_mask"] = weight, kept  # [N, T]
+    if args.mismatch == "tis":
+        touched = r > args.mismatch_high  # [N, T] truncated
+    else:
+        touched = (r < args.mismatch_low) | (r > args.mismatch_high)  # [N, T] masked (mis) or zeroed (icepop)
+    touched = touched & (mask > 0)
+    kl = algos.kl_estimate(batch["engine_logp"], batch["old_logp"], "k3") * mask  # KL(engine || trainer)
+    sums = {"mismatch_kl": kl.sum(), "mismatch_tokens": touched.sum(), "mismatch_seqs": touched.any(-1).sum(),
+            "mismatch_weight": (weight * mask).sum(), "mismatch_count": mask.sum(),
+            "mismatch_rows": (mask.sum(-1) > 0).sum()}
+    return sums, {"mismatch_weight_max": (weight * mask).max()}
 
 
 def update(actor, batch, args, plan):
@@ -258,8 +363,8 @@ def update(actor, batch, args, plan):
     counts = torch.tensor(counts, dtype=torch.float64)
     torch.distributed.all_reduce(counts, group=plan.trainer_group)
     # the zero-advantage row skip is exact only while every loss term is proportional to the
-    # advantage: the KL term is not
-    skip = args.kl_coef == 0
+    # advantage: the KL term in the loss is not (REINFORCE++ puts it in the reward)
+    skip = args.kl_coef == 0 or args.advantage.startswith("reinforce++")
     sums, maxes = {}, {}
     for mini, count in zip(minis, counts.tolist()):
         s, m = actor.train_step(mini, partial(loss_fn, args=args), count / plan.dp, skip_zero_adv_rows=skip)
@@ -280,6 +385,25 @@ def evaluate(engine, accuracy, rows, args, plan):
     correct = accuracy.score([r["prompt"] for r in mine], out.texts, columns)[0]
     total = dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=plan.trainer_group)
     return total["correct"] / total["count"]
+
+
+def greedy_rewards(engine, rows, reward, rm, step, args, plan, tok):
+    """ReMax's baseline: one greedy completion per prompt of this rank, scored like the samples.
+    Returns (rewards [G], failed [G] bool)."""
+    params = SamplingParams(1, 0.0, 1.0, 0, args.max_new_tokens)
+    seeds = [prompt_seed(args.seed, step, plan.rank + i * plan.dp) for i in range(len(rows))]
+    out = engine.generate([r["ids"] for r in rows], params, seeds)
+    rm_scores = None
+    if rm:
+        batch = make_batch([r["ids"] for r in rows], out.tokens, out.lengths, tok.pad_id, plan.device)
+        rm_scores = rm.score(batch)
+    columns = dataset_columns(rows, 1)
+    columns["finish_reason"] = out.finish_reasons
+    rewards, parts, failed = reward.score([r["prompt"] for r in rows], out.texts, columns, rm_scores)
+    if args.overlong_buffer:
+        rewards = rewards + algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
+                                                   args.overlong_penalty) * ~failed
+    return rewards, failed
 
 
 def eval_due(step: int, args, eval_rows) -> bool:
@@ -308,7 +432,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
     seconds = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
         **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
-        "rm_s": seconds.get("reward_model", 0.0),
+        "rm_s": seconds.get("reward_model", 0.0), "old_logp_s": seconds.get("old_logp", 0.0),
         "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device), "step_s": step_s,
         "staleness": staleness})
     if plan.rank != 0:
@@ -331,11 +455,19 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         # the rest had advantage 0 (and no KL term): not run
         "train/rows_trained": total["rows"] / N,
         "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"],
-        "perf/reward_model_s": peak["rm_s"],
+        "perf/reward_model_s": peak["rm_s"], "perf/old_logp_s": peak["old_logp_s"],
         "perf/train_s": peak["train_s"],
         "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
+    if "mismatch_kl" in total:  # --mismatch: how far the engine is from the trainer, what it corrected
+        count, rows = max(1.0, total["mismatch_count"]), max(1.0, total["mismatch_rows"])
+        metrics.update({
+            "train/mismatch_kl": total["mismatch_kl"] / count,
+            "train/mismatch_token_share": total["mismatch_tokens"] / count,
+            "train/mismatch_seq_share": total["mismatch_seqs"] / rows,
+            "train/mismatch_weight_mean": total["mismatch_weight"] / count,
+            "train/mismatch_weight_max": peak["mismatch_weight_max"]})
     # per role, mean over the trainer ranks (rollout: over the rollout ranks serving them)
     for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
         metrics[f"placement/{role}_s"] = total[role] / dp
@@ -441,6 +573,9 @@ if __name__ == "__main__":
                 submitted += 1
             local, ticket = in_flight.pop(step)
             out = engine.result(ticket)
+            greedy = None
+            if args.advantage == "remax":  # the baseline: the reward of each prompt's greedy completion
+                greedy, greedy_failed = greedy_rewards(engine, local, reward, rm, step, args, plan, tok)
         engine.release()
         prompt_ids = per_sample([r["ids"] for r in local], n)
         batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
@@ -456,22 +591,38 @@ if __name__ == "__main__":
             prompts = per_sample([r["prompt"] for r in local], n)
             # [N], {term: [N]}, [N]
             rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)
-
-        # advantages: group-relative over the samples that have a reward, one per completion, the
-        # same for each of its tokens; a sample whose reward failed is left out of the loss
+            if args.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
+                parts["overlong"] = algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
+                                                           args.overlong_penalty) * ~failed  # [N]
+                rewards = rewards + parts["overlong"]
         scored = ~failed  # [N]
-        adv = algos.group_advantages(rewards.view(-1, n), args.scale_std, scored=scored.view(-1, n))
-        adv = adv.view(-1, 1)  # [N, 1]
-        batch["loss_mask"] = batch["loss_mask"] * scored[:, None].to(device)  # [N, T]
+        if args.advantage == "remax":
+            scored = scored & ~greedy_failed.repeat_interleave(n)  # no baseline, no advantage
+
+        # a sample without a reward (or, with --mask-truncated, cut off at the length limit) is
+        # left out of the loss
+        keep = scored
+        if args.mask_truncated:
+            keep = keep & torch.tensor([r != "length" for r in out.finish_reasons])
+        batch["loss_mask"] = batch["loss_mask"] * keep[:, None].to(device)  # [N, T]
         batch["old_logp"] = out.logprobs.to(device)  # [N, T]
-        batch["adv"] = adv.to(device).expand_as(batch["loss_mask"])  # [N, T]
         if ref:
             with timer("reference"):
                 batch["ref_logp"] = ref.logprobs(batch)  # [N, T]
 
-        # update
+        # advantages, by --advantage (GRPO: group-relative over the samples that have a reward, one
+        # per completion, the same for each of its tokens)
+        batch["adv"] = advantages(rewards, scored, batch, greedy, args, plan)  # [N, T]
+
+        # update (with --recompute-old-logp / --mismatch, the trainer's old log-probs first)
+        corrections = {}, {}
+        if args.recompute_old_logp or args.mismatch != "none":
+            with timer("old_logp"):
+                corrections = mismatch(actor, batch, args)
         with timer("train"):
             train = update(actor, batch, args, plan)
+        train[0].update(corrections[0])
+        train[1].update(corrections[1])
 
         # log, then stop together: skipped steps and SIGTERM are agreed over the trainers
         halt = dist.reduce({"skipped": train[1]["skipped"], "unscored": train[1]["unscored"],

@@ -49,6 +49,13 @@ class Actor:
         """(hf_name, full shape, dtype) in `full_weights` order: what a remote engine must expect."""
         return weight_specs(self.model, self.param_dtype)
 
+    @torch.no_grad()
+    def logprobs(self, batch):
+        """[N, T]: the current policy's log-probs of the completion tokens (the old policy's, when
+        taken before the update: decoupled PPO's trainer-side old log-probs)."""
+        mbs = micro_batches(batch, self.micro_batch_size)
+        return torch.cat([completion_logprobs(self.model, mb, self.temperature) for mb in mbs])
+
     def train_step(self, batch, loss_fn, norm: float, skip_zero_adv_rows: bool = False):
         """One optimizer step on this rank's share of a (mini)batch (utils.data.Batch).
 
@@ -86,8 +93,10 @@ class Actor:
             loss.backward()
             for k, v in loss_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
-            # the trainer's and the engine's log-prob of the same tokens
-            gap = (logp.detach() - mb["old_logp"]).abs() * mb["loss_mask"]  # [n, T]
+            # the trainer's and the engine's log-prob of the same tokens (the engine's are the
+            # old ones, unless the trainer recomputed those: then they are kept apart)
+            engine_logp = mb.get("engine_logp", mb["old_logp"])  # [n, T]
+            gap = (logp.detach() - engine_logp).abs() * mb["loss_mask"]  # [n, T]
             sums["gap_sum"] += gap.sum()
             gap_max = torch.maximum(gap_max, gap.max())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)

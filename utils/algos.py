@@ -3,6 +3,8 @@ value losses, KL estimators and the adaptive KL coefficient, whitening, loss agg
 Bradley-Terry loss. No model, no distributed state; each is tested against a plain loop."""
 import torch
 
+from utils.errors import UserError
+
 
 def group_advantages(rewards, scale_std: bool = True, eps: float = 1e-6, scored=None):
     """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3):
@@ -55,17 +57,21 @@ def clipped_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float):
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
-def aggregate(per_token, mask, mode: str, norm: float):
+def aggregate(per_token, mask, mode: str, norm: float, max_len: int | None = None):
     """Sum of the loss over this shard of the batch, divided by `norm` (the whole batch's
     count per rank, so that FSDP's gradient average over ranks gives the full-batch mean).
     mode 'token': every token weighs the same (DAPO); norm = tokens in the batch / ranks.
     mode 'sequence': mean over each sequence's tokens, then over sequences (GRPO); norm =
-    sequences / ranks. per_token, mask [B, T] -> scalar."""
+    sequences / ranks. mode 'constant': each sequence's token sum divided by a constant,
+    max_len, the completion length limit, then the mean over sequences (Dr. GRPO, Liu et al.
+    2025: no length bias); norm = sequences / ranks. per_token, mask [B, T] -> scalar."""
     if mode == "token":
         return (per_token * mask).sum() / norm
     if mode == "sequence":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / norm
-    raise ValueError(f"unknown loss aggregation {mode!r}; use token or sequence")
+    if mode == "constant":
+        return ((per_token * mask).sum(-1) / max_len).sum() / norm
+    raise ValueError(f"unknown loss aggregation {mode!r}; use token, sequence or constant")
 
 
 def token_logprobs(logits, tokens, temperature: float = 1.0):
@@ -144,3 +150,108 @@ def bradley_terry_loss(chosen, rejected):
     """The Bradley-Terry loss of a reward model on preference pairs (Ouyang et al. 2022, eq. 1):
     -log sigmoid(r_chosen - r_rejected). chosen, rejected [B] -> [B]."""
     return -torch.nn.functional.logsigmoid(chosen - rejected)
+
+
+# ---------------------------------------------------------------- the algorithm menu (train_grpo.py)
+
+def rloo_advantages(rewards, scored=None):
+    """RLOO's leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean of
+    the other scored samples of the group. A sample without a reward gets 0; so does a group with
+    fewer than two scored samples, or whose scored rewards are all equal: exactly 0, not the
+    rounding of the others' mean (~1e-8 for eight rewards of 0.1 in fp32), so that the actor's
+    zero-advantage row skip sees it. rewards, scored [G, n] -> [G, n]."""
+    if rewards.shape[-1] < 2:
+        raise UserError("RLOO's baseline is the mean of a prompt's other samples: with "
+                        "--num-generations 1 there are none; use 2 or more")
+    if scored is None:
+        scored = torch.ones_like(rewards, dtype=torch.bool)
+    kept = torch.where(scored, rewards, 0.0)  # [G, n]
+    count = scored.sum(-1, keepdim=True)  # [G, 1]
+    others = (kept.sum(-1, keepdim=True) - kept) / (count - 1).clamp(min=1)  # [G, n]
+    adv = rewards - others  # [G, n]
+    highest = torch.where(scored, rewards, -torch.inf).amax(-1, keepdim=True)  # [G, 1]
+    lowest = torch.where(scored, rewards, torch.inf).amin(-1, keepdim=True)  # [G, 1]
+    no_signal = (highest == lowest) | (count < 2)  # [G, 1]
+    return adv.masked_fill(no_signal, 0.0).masked_fill(~scored, 0.0)
+
+
+def reinforce_pp_returns(rewards, kl, mask, kl_coef: float, baseline=None):
+    """REINFORCE++ (Hu 2025): the per-token reward -kl_coef * KL with the score on the last token,
+    summed from each token to the end (gamma = 1: GAE with no critic and lambda 1), to be
+    whitened over the whole batch (`whiten`). Its baseline variant subtracts the group's mean
+    reward from the score first (baseline [B], default none). rewards [B]; kl, mask [B, T] ->
+    [B, T]."""
+    score = rewards if baseline is None else rewards - baseline  # [B]
+    per_token = token_rewards(score, kl, mask, kl_coef)  # [B, T]
+    returns, _ = gae(per_token, torch.zeros_like(per_token), mask, 1.0, 1.0)  # [B, T]
+    return returns
+
+
+def overlong_penalty(lengths, max_len: int, buffer: int, penalty: float = 1.0):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_len - buffer, then
+    falling linearly to -penalty at max_len (and -penalty beyond). lengths [B] -> [B]."""
+    start = max_len - buffer
+    over = (lengths.float() - start).clamp(min=0) / buffer  # [B] share of the buffer used
+    return -penalty * over.clamp(max=1.0)
+
+
+def dual_clip_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float, c: float):
+    """Dual-clip PPO (Ye et al. 2020, eq. 5): for negative advantages the clipped objective is
+    bounded below by c * A (c > 1), so a huge ratio on a bad token cannot make the loss unbounded.
+    logp, old_logp, adv [B, T] -> (loss [B, T], clipped [B, T] bool: either clip acted)."""
+    loss, clipped = clipped_surrogate(logp, old_logp, adv, clip_low, clip_high)  # [B, T]
+    bound = -c * adv  # [B, T] the loss's upper bound where A < 0
+    capped = (adv < 0) & (loss > bound)  # [B, T]
+    return torch.where(capped, bound, loss), clipped | capped
+
+
+def gspo_surrogate(logp, old_logp, adv, mask, clip_low: float, clip_high: float):
+    """GSPO (Zheng et al. 2025): the importance ratio of the whole sequence,
+    s = exp(mean_t log(pi / pi_old)), clipped to [1 - clip_low, 1 + clip_high] (a small range,
+    3e-4..4e-4 in the paper), on the sequence's advantage (the mean of adv over its tokens).
+    The per-token loss is the sequence's, at each of its tokens. logp, old_logp, adv, mask
+    [B, T] -> (loss [B, T], clipped [B, T] bool)."""
+    length = mask.sum(-1).clamp(min=1)  # [B]
+    log_s = ((logp - old_logp) * mask).sum(-1) / length  # [B]
+    s = torch.exp(log_s)  # [B]
+    a = (adv * mask).sum(-1) / length  # [B]
+    unclipped, clipped = s * a, s.clamp(1 - clip_low, 1 + clip_high) * a  # [B]
+    loss = -torch.minimum(unclipped, clipped)  # [B]
+    return loss[:, None].expand_as(logp), (clipped < unclipped)[:, None].expand_as(logp)
+
+
+def cispo_loss(logp, old_logp, adv, clip_low: float, clip_high: float):
+    """CISPO (MiniMax-M1, 2025, eq. 4): -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi.
+    The clip bounds the importance weight but never drops a token's gradient, as PPO's clip does.
+    logp, old_logp, adv [B, T] -> (loss [B, T], clipped [B, T] bool: the weight was clipped)."""
+    ratio = torch.exp(logp - old_logp).detach()  # [B, T]
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
+    return -weight * adv * logp, weight != ratio
+
+
+def mismatch_weights(old_logp, engine_logp, mask, kind: str, level: str, low: float, high: float):
+    """Corrections for the gap between the trainer's and the engine's log-probs of the same
+    sampled tokens, r = pi_old(trainer) / pi_engine, at `level` token (r_t), sequence
+    (prod_t r_t) or geometric (exp(mean_t log r_t)); see ../shared/DESIGN.md:
+      tis     weight min(r, high) on the token's loss (truncated importance sampling)
+      mis     tokens (or sequences) with r outside [low, high] leave the loss (masked IS)
+      icepop  weight r inside [low, high], 0 outside; the tokens stay in the normaliser
+    old_logp, engine_logp, mask [B, T] -> (weight [B, T] (no gradient), kept [B, T] mask, r [B, T])."""
+    log_r = (old_logp - engine_logp).detach() * mask  # [B, T]
+    if level == "token":
+        r = torch.exp(log_r)  # [B, T]
+    elif level == "sequence":
+        r = torch.exp(log_r.sum(-1, keepdim=True)).expand_as(log_r)  # [B, T]
+    elif level == "geometric":
+        r = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_r)
+    else:
+        raise ValueError(f"unknown mismatch level {level!r}; use token, sequence or geometric")
+    inside = (r >= low) & (r <= high)  # [B, T]
+    ones = torch.ones_like(r)
+    if kind == "tis":
+        return r.clamp(max=high), mask, r
+    if kind == "mis":
+        return ones, mask * inside, r
+    if kind == "icepop":
+        return torch.where(inside, r, 0.0), mask, r
+    raise ValueError(f"unknown mismatch correction {kind!r}; use tis, mis or icepop")

@@ -422,17 +422,26 @@ class Batch(TypedDict, total=False):
         valid       [N, P+T] bool   attention mask: False on padding
         prompt_len  int             P: completion token t sits at column P + t
         loss_mask   [N, T]   float  1 on completion tokens (what the loss sees), 0 on padding
-        old_logp    [N, T]   float  the engine's log-prob of each sampled token (the ratio's denominator)
+        old_logp    [N, T]   float  the old policy's log-prob of each sampled token (the ratio's
+                                    denominator): the engine's, or the trainer's with --recompute-old-logp
+        engine_logp [N, T]   float  the engine's, kept apart when the trainer recomputed old_logp
+        is_weight   [N, T]   float  the mismatch correction's weight on each token's loss (--mismatch)
         ref_logp    [N, T]   float  the reference policy's log-prob (only with a KL term)
         adv         [N, T]   float  advantage per completion token (GRPO: its completion's, broadcast)
+        values      [N, T]   float  PPO: the critic's value of each state, at rollout
+        returns     [N, T]   float  PPO: GAE's returns, the critic's target
     """
     input_ids: "torch.Tensor"
     valid: "torch.Tensor"
     prompt_len: int
     loss_mask: "torch.Tensor"
     old_logp: "torch.Tensor"
+    engine_logp: "torch.Tensor"
+    is_weight: "torch.Tensor"
     ref_logp: "torch.Tensor"
     adv: "torch.Tensor"
+    values: "torch.Tensor"
+    returns: "torch.Tensor"
 
 
 def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu") -> Batch:
