@@ -280,7 +280,8 @@ def loss_fn(logp, batch, norm: float, args: Args):
     if args.policy_loss == "ppo":
         pg, clipped = algos.clipped_surrogate(logp, old, adv, args.clip_low, args.clip_high)  # [n, T]
     elif args.policy_loss == "dual_clip":
-        pg, clipped = algos.dual_clip_surrogate(logp, old, adv, args.clip_low, args.clip_high, args.dual_clip_c)
+        pg, clipped = algos.dual_clip_surrogate(logp, old, adv, args.clip_low, args.clip_high,
+                                                args.dual_clip_c)
     elif args.policy_loss == "gspo":
         pg, clipped = algos.gspo_surrogate(logp, old, adv, mask, args.gspo_clip_low, args.gspo_clip_high)
     elif args.policy_loss == "cispo":
@@ -592,8 +593,9 @@ if __name__ == "__main__":
             # [N], {term: [N]}, [N]
             rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)
             if args.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
-                parts["overlong"] = algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
-                                                           args.overlong_penalty) * ~failed  # [N]
+                penalty = algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
+                                                 args.overlong_penalty)  # [N]
+                parts["overlong"] = penalty * ~failed
                 rewards = rewards + parts["overlong"]
         scored = ~failed  # [N]
         if args.advantage == "remax":

@@ -24,7 +24,8 @@ ALGORITHMS = [  # (name, flags): one visible choice each; see the README's table
     ("dual-clip PPO", ["--policy-loss", "dual_clip"]),
     ("RLOO", ["--advantage", "rloo"]),
     ("REINFORCE++", ["--advantage", "reinforce++", "--kl-coef", "0.01", "--kl-estimator", "k1"]),
-    ("REINFORCE++ baseline", ["--advantage", "reinforce++_baseline", "--kl-coef", "0.01", "--kl-estimator", "k1"]),
+    ("REINFORCE++ baseline", ["--advantage", "reinforce++_baseline", "--kl-coef", "0.01",
+                              "--kl-estimator", "k1"]),
     ("ReMax", ["--advantage", "remax"]),
     ("decoupled + TIS", ["--mismatch", "tis"]),
     ("decoupled + MIS (seq)", ["--mismatch", "mis", "--mismatch-level", "sequence"]),
@@ -46,8 +47,8 @@ with tempfile.TemporaryDirectory() as tmp:
         for seed in a.seeds:
             run = os.path.join(tmp, f"{len(rows)}-{seed}")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "train_grpo.py", "--steps", str(a.steps), "--eval-every", str(a.steps), "--save-every", "0",
-                   "--no-save-final", "--seed", str(seed), "--run-dir", run, *flags]
+                   "train_grpo.py", "--steps", str(a.steps), "--eval-every", str(a.steps),
+                   "--save-every", "0", "--no-save-final", "--seed", str(seed), "--run-dir", run, *flags]
             subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=3600)
             with open(os.path.join(run, "metrics.jsonl")) as f:
                 ms = list(map(json.loads, f))
@@ -59,9 +60,11 @@ with tempfile.TemporaryDirectory() as tmp:
 grpo_s = rows[0][3] if rows and rows[0][0] == "GRPO" else None
 print(f"\nheld-out accuracy of the final policy after {a.steps} steps, seeds {a.seeds}; "
       "step time: median per run, mean over seeds; 2 ranks, colocate, 2 CPU cores\n")
-print(f"| {'algorithm':<22} | {'flags':<62} | {'mean':>5} | {'min..max':>11} | {'s/step':>6} | {'vs GRPO':>7} |")
+print(f"| {'algorithm':<22} | {'flags':<62} | {'mean':>5} | {'min..max':>11} | {'s/step':>6} "
+      f"| {'vs GRPO':>7} |")
 print(f"|{'-' * 24}|{'-' * 64}|{'-' * 7}|{'-' * 13}|{'-' * 8}|{'-' * 9}|")
 for name, flags, acc, s in rows:
     relative = f"{s / grpo_s:.2f}x" if grpo_s else "-"
     spread = f"{min(acc):.3f}..{max(acc):.3f}"
-    print(f"| {name:<22} | {flags:<62} | {statistics.mean(acc):5.3f} | {spread:>11} | {s:6.3f} | {relative:>7} |")
+    mean = statistics.mean(acc)
+    print(f"| {name:<22} | {flags:<62} | {mean:5.3f} | {spread:>11} | {s:6.3f} | {relative:>7} |")

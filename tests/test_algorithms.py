@@ -16,8 +16,10 @@ RUNS = [  # (flags, a metric the choice must log)
     (["--no-scale-std", "--loss-agg", "constant"], "train/pg_loss"),  # Dr. GRPO
     (["--overlong-buffer", "3", "--mask-truncated", "--max-new-tokens", "4"], "rollout/reward/overlong"),
     (["--policy-loss", "gspo", "--loss-agg", "sequence", "--mismatch", "tis"], "train/mismatch_weight_max"),
-    (["--policy-loss", "cispo", "--mismatch", "mis", "--mismatch-level", "sequence"], "train/mismatch_seq_share"),
-    (["--policy-loss", "dual_clip", "--mismatch", "icepop", "--mismatch-level", "geometric"], "train/mismatch_kl"),
+    (["--policy-loss", "cispo", "--mismatch", "mis", "--mismatch-level", "sequence"],
+     "train/mismatch_seq_share"),
+    (["--policy-loss", "dual_clip", "--mismatch", "icepop", "--mismatch-level", "geometric"],
+     "train/mismatch_kl"),
     (["--advantage", "rloo", "--recompute-old-logp"], "perf/old_logp_s"),
     (["--advantage", "reinforce++", "--kl-coef", "0.05", "--kl-estimator", "k1"], "perf/reference_s"),
     (["--advantage", "reinforce++_baseline"], "train/pg_loss"),
