@@ -342,7 +342,8 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         **sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
         "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
         "staleness": staleness, "completions": len(rewards), "completion_tokens": mask.sum(),
-        "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(), "returns_sq": batch["returns"].square().sum(),
+        "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(),
+        "returns_sq": batch["returns"].square().sum(),
         "error": error.sum(), "error_sq": error.square().sum()})
     seconds = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={

@@ -1,8 +1,8 @@
 """Sharded training state with torch.distributed.checkpoint (DCP), saved atomically.
 
 A checkpoint is a directory `run_dir/checkpoints/step_00000012/` (12 steps done) holding the DCP shards of
-the model and optimizer (each rank writes its own; PPO's critic beside them), `rank{r}.json` with that rank's RNG
-state, and `meta.json` (step, LR schedule, model shape) written last by rank 0. It is
+the model and optimizer (each rank writes its own; PPO's critic beside them), `rank{r}.json` with that
+rank's RNG state, and `meta.json` (step, LR schedule, model shape) written last by rank 0. It is
 written as `step_00000012.tmp/` and renamed only when complete, so a job killed while
 saving leaves the previous checkpoint as the newest complete one. Tensors go through DCP,
 the rest is JSON. DCP keeps its index (`.metadata`) as a pickle; we read it with an
@@ -97,7 +97,8 @@ def _state(actor, critic) -> dict:
     return state
 
 
-def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None, extra: dict | None = None) -> dict:
+def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
+         extra: dict | None = None) -> dict:
     """Collective: every rank calls it after `step` steps are done; `extra` (JSON) goes into
     meta.json (PPO's KL coefficient). Returns seconds and the path."""
     t = time.perf_counter()

@@ -56,7 +56,8 @@ class Logger:
             return f"final policy | eval {g('eval/accuracy')} | {elapsed:.0f}s in all"
         critic = ""
         if "train/value_loss" in m:  # PPO: the critic's numbers and its phases
-            critic = (f"| vloss {g('train/value_loss', '{:.4f}')} ev {g('train/explained_variance', '{:.2f}')} "
+            critic = (f"| vloss {g('train/value_loss', '{:.4f}')} "
+                      f"ev {g('train/explained_variance', '{:.2f}')} "
                       f"kl_coef {g('train/kl_coef', '{:.4f}')} values {g('perf/values_s', '{:.2f}')}s "
                       f"critic {g('perf/critic_train_s', '{:.2f}')}s ")
         return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/accuracy')} "

@@ -132,7 +132,8 @@ class ModelConfig:
     def num_params(self, embeddings: bool = True) -> int:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
-        bias = (q + 2 * kv + (h if self.architecture.startswith("Llama") else 0)) if self.attention_bias else 0
+        llama = self.architecture.startswith("Llama")  # Llama's attention_bias covers o_proj too
+        bias = (q + 2 * kv + (h if llama else 0)) if self.attention_bias else 0
         attn = h * q + 2 * h * kv + q * h + bias
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings or self.scores else 2)
@@ -167,7 +168,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias and cfg.architecture.startswith("Llama"))
+        llama = cfg.architecture.startswith("Llama")
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias and llama)
 
     def forward(self, x, cos, sin, mask, cache, layer: int):
         B, S, _ = x.shape
@@ -429,7 +431,8 @@ def load_state(model: Transformer, weights, strict: bool = True, may_lack: tuple
             else:
                 p.copy_(tensor)
             seen.add(name)
-    missing = set(params) - seen - set(may_lack) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = set(params) - seen - set(may_lack) - tied
     if strict and missing:
         raise UserError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
