@@ -16,8 +16,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from utils.data import Tokenizer  # noqa: E402
-from utils.model import build, read_config, save_model  # noqa: E402
+from utils.tiny import random_reward_model  # noqa: E402
 
 PHASES = [("generate", "perf/generate_s"), ("reference", "perf/reference_s"),
           ("reward model", "perf/reward_model_s"), ("critic values", "perf/values_s"),
@@ -31,11 +30,7 @@ a = ap.parse_args()
 rows = []
 with tempfile.TemporaryDirectory() as tmp:
     rm = os.path.join(tmp, "rm")  # a random reward model: its time does not depend on its weights
-    cfg = read_config(os.path.join(ROOT, "assets/arith-tiny")).with_score_head(1)
-    cfg.pad_token_id = Tokenizer(os.path.join(ROOT, "assets/arith-tiny")).pad_id
-    model = build(cfg)
-    model.init_weights(seed=0)
-    save_model(model, cfg, rm, tokenizer_dir=os.path.join(ROOT, "assets/arith-tiny"))
+    random_reward_model(rm, os.path.join(ROOT, "assets/arith-tiny"))
     runs = [("GRPO (64 x 8)", "train_grpo.py", []),
             ("PPO (256 x 1)", "train_ppo.py", []),
             ("PPO + reward model", "train_ppo.py", ["--rewards", "accuracy", "rm", "--reward-model", rm])]

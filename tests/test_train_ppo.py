@@ -13,9 +13,8 @@ from test_checkpoint import same_run, start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import TINY, metrics
 
-from utils.data import Tokenizer
 from utils.logger import differences
-from utils.model import build, read_config, save_model
+from utils.tiny import random_reward_model
 
 PPO_TINY = ["--steps", "3", "--prompts-per-step", "8", "--eval-every", "2", "--eval-prompts", "8",
             "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
@@ -26,11 +25,7 @@ ADAPTIVE = ["--kl-coef", "0.05", "--kl-target", "0.01", "--kl-horizon", "100"]
 def reward_model_dir(tmp_path_factory):
     """A random Bradley-Terry reward model on the shipped policy's decoder shape and tokenizer."""
     path = str(tmp_path_factory.mktemp("rm"))
-    cfg = read_config("assets/arith-tiny").with_score_head(1)
-    cfg.pad_token_id = Tokenizer("assets/arith-tiny").pad_id
-    model = build(cfg)
-    model.init_weights(seed=5, std=0.1)
-    save_model(model, cfg, path, tokenizer_dir="assets/arith-tiny")
+    random_reward_model(path, "assets/arith-tiny", seed=5, std=0.1)
     return path
 
 

@@ -34,6 +34,20 @@ def random_checkpoint(path: str, seed: int = 0, architecture: str = "Qwen2ForCau
     return cfg
 
 
+def random_reward_model(path: str, policy: str, seed: int = 0, std: float = 0.02) -> ModelConfig:
+    """A random Bradley-Terry reward model (...ForSequenceClassification, one score) with the
+    decoder shape and the tokenizer of the checkpoint at `policy` (tests and benchmarks)."""
+    from dataclasses import replace
+
+    from utils.model import read_config
+
+    cfg = replace(read_config(policy).with_score_head(1), pad_token_id=Tokenizer(policy).pad_id)
+    model = build(cfg)
+    model.init_weights(seed, std)
+    save_model(model, cfg, path, tokenizer_dir=policy)
+    return cfg
+
+
 def sft_batch(rows, tok: Tokenizer, eos: int):
     """Right-padded 'prompt answer<eos>' sequences; loss only on the answer and EOS."""
     seqs, masks = [], []
