@@ -31,15 +31,19 @@ from roles.reward import Reward
 from roles.reward_model import RewardModel
 from roles.rollout import serve
 from utils import algos, checkpoint, dist, errors
-from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
+from utils.data import (BUILTIN, PromptStream, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
                         micro_batches, per_sample, prompt_seed, step_prompts, tokenize_rows)
-from utils.engines import SamplingParams, make_engine
+from utils.engines import SamplingParams, Samples, make_engine
 from utils.errors import UserError
 from utils.logger import Logger, Timer
 from utils.model import check_checkpoint, read_config
 from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
+GROUP_BASELINES = ("grpo", "rloo", "reinforce++_baseline")  # advantages that are 0 when a group's rewards agree
+# G-Core's dynamic-sampling constants (its DynamicSamplingRolloutGenerator's defaults): the running
+# groups-per-informative-group ratio starts at 1, decays by 0.9 a step and is capped at 10
+DS_INITIAL_EMA, DS_DECAY, DS_MAX_RATIO = 1.0, 0.9, 10.0
 
 
 @dataclass
@@ -95,6 +99,15 @@ class Args:
     """DAPO's soft overlong penalty: the reward lost by a completion that reaches --max-new-tokens"""
     mask_truncated: bool = False
     """completions cut off at --max-new-tokens leave the loss (DAPO's overlong filtering)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling with G-Core's waves: a group whose rewards are all equal (no GRPO
+    signal) is dropped, and each rank refills its own share in waves of ceil(gap * ema *
+    --ds-oversampling) prompts until it holds its prompts-per-step / trainers informative groups or
+    the refills run out; slots still empty are filled with dropped groups that leave the loss"""
+    ds_oversampling: float = 1.2
+    """dynamic sampling: draw this many times the prompts the running ratio says are needed"""
+    ds_max_refills: int = 3
+    """dynamic sampling: waves after the first, at most, per step"""
     advantage: Literal["grpo", "rloo", "reinforce++", "reinforce++_baseline", "remax"] = "grpo"
     """grpo: reward minus its group's mean, over the group's std (see --scale-std); rloo: minus the
     mean of the group's other samples; reinforce++: the KL to the reference in the per-token reward
@@ -223,6 +236,13 @@ def check_args(args: Args, world: int):
         ("overlong_buffer", 0 <= args.overlong_buffer <= args.max_new_tokens,
          f"0 (off) or a number of tokens up to --max-new-tokens ({args.max_new_tokens})"),
         ("overlong_penalty", 0 <= args.overlong_penalty < math.inf, "0 or more"),
+        ("dynamic_sampling", not args.dynamic_sampling or args.max_staleness == 0,
+         "it decides each refill from the last wave's rewards, so it runs on-policy: drop --max-staleness"),
+        ("dynamic_sampling", not args.dynamic_sampling or args.advantage in GROUP_BASELINES,
+         f"it drops groups whose rewards are all equal, which carry no signal only under a group baseline "
+         f"(grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}; drop one of the two"),
+        ("ds_oversampling", 0 < args.ds_oversampling < math.inf, "a positive factor such as 1.2"),
+        ("ds_max_refills", args.ds_max_refills >= 0, "0 (one wave) or more"),
         ("max_skipped_steps", args.max_skipped_steps >= 0, "0 or more"),
         ("clip_low", 0 <= args.clip_low < 1, "a number in [0, 1)"),
         ("clip_high", 0 <= args.clip_high < math.inf, "0 or more"),
@@ -388,23 +408,97 @@ def evaluate(engine, accuracy, rows, args, plan):
     return total["correct"] / total["count"]
 
 
-def greedy_rewards(engine, rows, reward, rm, step, args, plan, tok):
+def greedy_rewards(engine, rows, scorer, step, args, plan, timer):
     """ReMax's baseline: one greedy completion per prompt of this rank, scored like the samples.
     Returns (rewards [G], failed [G] bool)."""
     params = SamplingParams(1, 0.0, 1.0, 0, args.max_new_tokens)
     seeds = [prompt_seed(args.seed, step, plan.rank + i * plan.dp) for i in range(len(rows))]
-    out = engine.generate([r["ids"] for r in rows], params, seeds)
+    with timer("generate"):
+        out = engine.generate([r["ids"] for r in rows], params, seeds)
+    rewards, parts, failed = scorer(rows, out, 1, timer)
+    return rewards, failed
+
+
+def score(rows, out, n, timer, reward, rm, tok, args, plan):
+    """This controller's rewards of its own samples (`rows`: one per prompt, `out`: n samples
+    each): the reward model on their token ids, then the reward terms, plus DAPO's overlong
+    penalty. Returns (rewards [N], {term: [N]}, failed [N] bool: no reward)."""
     rm_scores = None
     if rm:
-        batch = make_batch([r["ids"] for r in rows], out.tokens, out.lengths, tok.pad_id, plan.device)
-        rm_scores = rm.score(batch)
-    columns = dataset_columns(rows, 1)
-    columns["finish_reason"] = out.finish_reasons
-    rewards, parts, failed = reward.score([r["prompt"] for r in rows], out.texts, columns, rm_scores)
-    if args.overlong_buffer:
-        rewards = rewards + algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
-                                                   args.overlong_penalty) * ~failed
-    return rewards, failed
+        with timer("reward_model"):
+            batch = make_batch(per_sample([r["ids"] for r in rows], n), out.tokens, out.lengths, tok.pad_id,
+                               plan.device)
+            rm_scores = rm.score(batch)  # [N]
+    with timer("reward"):
+        columns = dataset_columns(rows, n)  # answer and the rest, one value per completion
+        columns["finish_reason"] = out.finish_reasons
+        prompts = per_sample([r["prompt"] for r in rows], n)
+        rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)  # [N], {term: [N]}, [N]
+        if args.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
+            penalty = algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
+                                             args.overlong_penalty)  # [N]
+            parts["overlong"] = penalty * ~failed
+            rewards = rewards + parts["overlong"]
+    return rewards, parts, failed
+
+
+def dynamic_sampling(step, rows, stream, ema, engine, sampling, scorer, args, plan, timer, metrics):
+    """DAPO's dynamic sampling in G-Core's waves, on this rank's own share (no rank gathers the
+    batch). Each wave draws ceil(gap * ema * --ds-oversampling) prompts for this rank's `gap`
+    missing informative groups (rewards not all equal), from `stream` (prompts put back first);
+    the waves go on while any rank has a gap (one max-reduce a wave), at most 1 + --ds-max-refills
+    of them, so every rank runs the same number; a rank without a gap sends an empty wave. Slots
+    still empty are filled with uninformative groups, `padded`, which leave the loss: every rank
+    trains prompts_per_step / trainers groups. Informative groups beyond the target put their
+    prompt back. Samples are seeded per (seed, step, wave, position in the wave).
+    Returns (rows, Samples, (rewards, parts, failed), padded [N] bool, the next ema); the counts
+    (summed over the trainers, as the ema's update needs) go into `metrics`."""
+    n, target = args.num_generations, args.prompts_per_step // plan.dp
+    drawn, outs, scores = [], [], []  # per wave: row indices, Samples, (rewards, parts, failed)
+    informative = []  # per group drawn, in order
+    waves = 0
+    for wave in range(1 + args.ds_max_refills):
+        gap = target - min(target, sum(informative))
+        if dist.reduce({"gap": gap}, op=MAX, group=plan.trainer_group)["gap"] == 0:
+            break
+        picked = stream.take(algos.wave_size(gap, ema, args.ds_oversampling))
+        wave_rows = [rows[i] for i in picked]
+        seeds = [prompt_seed(args.seed, step, plan.rank + i * plan.dp, wave) for i in range(len(picked))]
+        with timer("generate"):
+            out = engine.generate([r["ids"] for r in wave_rows], sampling, seeds)
+        waves += 1
+        if not picked:  # this rank's share is full: it only took part (a remote engine expects every rank)
+            continue
+        rewards, parts, failed = scorer(wave_rows, out, n, timer)  # [k * n] each
+        informative += algos.informative_groups(rewards.view(-1, n), (~failed).view(-1, n)).tolist()
+        drawn.append(picked)
+        outs.append(out)
+        scores.append((rewards, parts, failed))
+    # the step's groups: informative ones first (in draw order) up to the target, then padding
+    flat = [i for picked in drawn for i in picked]
+    good = [g for g, ok in enumerate(informative) if ok]
+    bad = [g for g, ok in enumerate(informative) if not ok]
+    chosen = good[:target] + bad[:target - len(good[:target])]
+    stream.put_back([flat[g] for g in good[target:]])
+    out = Samples.cat(outs)
+    sample_rows = [g * n + j for g in chosen for j in range(n)]
+    rewards = torch.cat([r for r, _, _ in scores])[sample_rows]
+    failed = torch.cat([f for _, _, f in scores])[sample_rows]
+    parts = {}
+    for name in scores[0][1]:
+        parts[name] = torch.cat([p[name] for _, p, _ in scores])[sample_rows]
+    padded = torch.tensor([not informative[g] for g in chosen]).repeat_interleave(n)  # [N]
+    kept_tokens = out.lengths[sample_rows][~padded].sum()
+    counts = dist.reduce(group=plan.trainer_group, values={
+        "generated": len(informative), "informative": sum(informative), "kept": len(good[:target]),
+        "padded": int(padded.sum()) // n, "unused_tokens": out.lengths.sum() - kept_tokens})
+    ema = algos.sampling_ema(ema, counts["generated"], counts["informative"], DS_DECAY, DS_MAX_RATIO)
+    metrics.update({
+        "rollout/ds_waves": waves, "rollout/ds_groups_generated": counts["generated"],
+        "rollout/ds_groups_informative": counts["informative"], "rollout/ds_groups_kept": counts["kept"],
+        "rollout/ds_groups_padded": counts["padded"], "rollout/ds_unused_tokens": counts["unused_tokens"],
+        "rollout/ds_ema": ema})
+    return [rows[flat[g]] for g in chosen], out.take(sample_rows), (rewards, parts, failed), padded, ema
 
 
 def eval_due(step: int, args, eval_rows) -> bool:
@@ -528,7 +622,14 @@ if __name__ == "__main__":
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k,
                               args.max_new_tokens)
 
-    start = checkpoint.resume(args.run_dir, args.resume, actor, rank)["step"]  # steps already done
+    scorer = partial(score, reward=reward, rm=rm, tok=tok, args=args, plan=plan)
+    resumed = checkpoint.resume(args.run_dir, args.resume, actor, rank)
+    start = resumed["step"]  # steps already done
+    # dynamic sampling: this rank's own prompt stream and the running ratio, carried by checkpoints
+    stream = PromptStream(len(rows), args.seed, rank, plan.dp)
+    if "stream" in resumed.get("rank_state", {}):
+        stream.load(resumed["rank_state"]["stream"])
+    ema = resumed.get("ds_ema", DS_INITIAL_EMA)
     stop = {"sigterm": False}  # torchrun (or a scheduler) asks us to stop: save, then exit
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(sigterm=True))  # Ctrl-C: the same
@@ -564,46 +665,37 @@ if __name__ == "__main__":
                 log.log(step - 1, {"final": True, **metrics})
             break
 
-        # rollout: this rank's prompts only. With --max-staleness S the prompts of up to S steps
-        # ahead go out too, so that the rollout ranks generate them while this rank trains; their
-        # samples are then up to S versions old, and the ratio to the engine's log-probs corrects it
-        with timer("generate"):
-            while submitted <= min(step + args.max_staleness, args.steps - 1):
-                ahead, seeds = step_prompts(rows, submitted, args.prompts_per_step, args.seed, rank, plan.dp)
-                in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
-                submitted += 1
-            local, ticket = in_flight.pop(step)
-            out = engine.result(ticket)
-            greedy = None
-            if args.advantage == "remax":  # the baseline: the reward of each prompt's greedy completion
-                greedy, greedy_failed = greedy_rewards(engine, local, reward, rm, step, args, plan, tok)
+        # rollout and reward: this controller's own prompts only, scored by itself (the reward
+        # model on their token ids). With --max-staleness S the prompts of up to S steps ahead go
+        # out too, so that the rollout ranks generate them while this rank trains; their samples
+        # are then up to S versions old, and the ratio to the engine's log-probs corrects it.
+        # --dynamic-sampling instead generates and scores in waves until the groups are informative
+        padded = torch.zeros(args.prompts_per_step // plan.dp * n, dtype=torch.bool)  # [N]
+        if args.dynamic_sampling:
+            local, out, (rewards, parts, failed), padded, ema = dynamic_sampling(
+                step, rows, stream, ema, engine, sampling, scorer, args, plan, timer, metrics)
+        else:
+            with timer("generate"):
+                while submitted <= min(step + args.max_staleness, args.steps - 1):
+                    ahead, seeds = step_prompts(rows, submitted, args.prompts_per_step, args.seed, rank, plan.dp)
+                    in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
+                    submitted += 1
+                local, ticket = in_flight.pop(step)
+                out = engine.result(ticket)
+            rewards, parts, failed = scorer(local, out, n, timer)  # [N], {term: [N]}, [N]
+        greedy = None
+        if args.advantage == "remax":  # the baseline: the reward of each prompt's greedy completion
+            greedy, greedy_failed = greedy_rewards(engine, local, scorer, step, args, plan, timer)
         engine.release()
         prompt_ids = per_sample([r["ids"] for r in local], n)
         batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
-
-        # reward: this controller scores its own samples (the reward model on its token ids)
-        rm_scores = None
-        if rm:
-            with timer("reward_model"):
-                rm_scores = rm.score(batch)  # [N]
-        with timer("reward"):
-            columns = dataset_columns(local, n)  # answer and the rest, one value per completion
-            columns["finish_reason"] = out.finish_reasons
-            prompts = per_sample([r["prompt"] for r in local], n)
-            # [N], {term: [N]}, [N]
-            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)
-            if args.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
-                penalty = algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
-                                                 args.overlong_penalty)  # [N]
-                parts["overlong"] = penalty * ~failed
-                rewards = rewards + parts["overlong"]
         scored = ~failed  # [N]
         if args.advantage == "remax":
             scored = scored & ~greedy_failed.repeat_interleave(n)  # no baseline, no advantage
 
-        # a sample without a reward (or, with --mask-truncated, cut off at the length limit) is
-        # left out of the loss
-        keep = scored
+        # a sample without a reward (or, with --mask-truncated, cut off at the length limit, or a
+        # dynamic-sampling padding group) is left out of the loss
+        keep = scored & ~padded
         if args.mask_truncated:
             keep = keep & torch.tensor([r != "length" for r in out.finish_reasons])
         batch["loss_mask"] = batch["loss_mask"] * keep[:, None].to(device)  # [N, T]
@@ -646,7 +738,8 @@ if __name__ == "__main__":
             checkpoint.export_hf(actor, path, rank, args.model)
         save_due = args.save_every and (step + 1) % args.save_every == 0
         if halt["sigterm"] or save_due:
-            checkpoint.save_and_report(args.run_dir, step + 1, actor, args.keep_last, rank)
+            checkpoint.save_and_report(args.run_dir, step + 1, actor, args.keep_last, rank,
+                                       extra={"ds_ema": ema}, rank_state={"stream": stream.state()})
         if halt["sigterm"]:
             stopped = True
             break

@@ -1,6 +1,8 @@
 """RL math as pure tensor functions: advantages (group-relative, GAE), the clipped surrogate and
 value losses, KL estimators and the adaptive KL coefficient, whitening, loss aggregation, the
 Bradley-Terry loss. No model, no distributed state; each is tested against a plain loop."""
+import math
+
 import torch
 
 from utils.errors import UserError
@@ -255,3 +257,32 @@ def mismatch_weights(old_logp, engine_logp, mask, kind: str, level: str, low: fl
     if kind == "icepop":
         return torch.where(inside, r, 0.0), mask, r
     raise ValueError(f"unknown mismatch correction {kind!r}; use tis, mis or icepop")
+
+
+# ---- dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2, with G-Core's waves; ../shared/DESIGN.md)
+
+def informative_groups(rewards, scored):
+    """DAPO's filter: a group carries GRPO signal only if its scored rewards are not all equal
+    (with fewer than two scored samples it carries none). rewards, scored [G, n] -> [G] bool."""
+    high = torch.where(scored, rewards, -torch.inf).max(-1).values  # [G]
+    low = torch.where(scored, rewards, torch.inf).min(-1).values  # [G]
+    return (scored.sum(-1) >= 2) & (high > low)
+
+
+def wave_size(gap: int, ema: float, oversampling: float) -> int:
+    """G-Core's refill: prompts to draw for `gap` missing groups, ceil(gap * ema * oversampling),
+    where ema estimates how many groups it takes to find one informative group."""
+    if gap <= 0:
+        return 0
+    return math.ceil(gap * ema * oversampling)
+
+
+def sampling_ema(ema: float, generated: int, informative: int, decay: float, max_ratio: float) -> float:
+    """G-Core's update after a step, from the counts summed over the trainer ranks: the step's
+    groups-per-informative-group ratio (max_ratio when none was informative, and at most it),
+    folded into the running average: decay * ema + (1 - decay) * ratio."""
+    if informative == 0:
+        current = max_ratio
+    else:
+        current = min(generated / informative, max_ratio)
+    return decay * ema + (1 - decay) * current

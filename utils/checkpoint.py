@@ -98,9 +98,10 @@ def _state(actor, critic) -> dict:
 
 
 def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
-         extra: dict | None = None) -> dict:
+         extra: dict | None = None, rank_state: dict | None = None) -> dict:
     """Collective: every rank calls it after `step` steps are done; `extra` (JSON) goes into
-    meta.json (PPO's KL coefficient). Returns seconds and the path."""
+    meta.json (PPO's KL coefficient), `rank_state` (JSON) into this rank's own file (its
+    dynamic-sampling prompt stream). Returns seconds and the path."""
     t = time.perf_counter()
     final = os.path.join(_dir(run_dir), f"{PREFIX}{step:08d}")
     tmp = final + ".tmp"
@@ -112,7 +113,8 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
     try:
         dcp.save(_state(actor, critic), checkpoint_id=tmp, process_group=actor.group)
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-            json.dump({"torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}, f)
+            rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+            json.dump({"torch_rng": rng, **(rank_state or {})}, f)
     except (OSError, CheckpointException) as e:  # a full disk, a quota: lose this save, not the run
         error = str(e).strip().splitlines()[-1][:300]
     failed = torch.tensor([float(bool(error))])
@@ -139,9 +141,10 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
     return {"seconds": time.perf_counter() - t, "path": final, "error": None}
 
 
-def save_and_report(run_dir: str, step: int, actor, keep: int, rank: int, critic=None, extra=None):
+def save_and_report(run_dir: str, step: int, actor, keep: int, rank: int, critic=None, extra=None,
+                    rank_state=None):
     """`save`, and rank 0 says how it went; a failed save does not stop the run."""
-    saved = save(run_dir, step, actor, keep, rank, critic, extra)
+    saved = save(run_dir, step, actor, keep, rank, critic, extra, rank_state)
     if rank != 0:
         return
     if saved["error"]:
@@ -180,7 +183,7 @@ def _restore(role, model_sd, optim_sd, scheduler: dict):
 
 def load(path: str, actor, rank: int, critic=None) -> dict:
     """Collective: restores model and optimizer shards (the critic's too), LR schedules and RNG;
-    returns meta."""
+    returns meta, with this rank's own saved state under "rank_state" ({} if none)."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     _same_shape(path, meta["model"], actor.config.to_hf(), "--model")
@@ -195,9 +198,11 @@ def load(path: str, actor, rank: int, critic=None) -> dict:
     if critic is not None:
         _restore(critic, state["critic_model"], state["critic_optim"], meta["critic_scheduler"])
     rank_file = os.path.join(path, f"rank{rank}.json")
+    meta["rank_state"] = {}
     if os.path.isfile(rank_file):  # a different world size: ranks beyond the old one keep their seed
         with open(rank_file) as f:
-            rng = base64.b64decode(json.load(f)["torch_rng"])
+            meta["rank_state"] = json.load(f)
+        rng = base64.b64decode(meta["rank_state"].pop("torch_rng"))
         torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
     return meta
 

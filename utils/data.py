@@ -377,6 +377,41 @@ def step_prompts(rows: list[dict], step: int, per_step: int, seed: int, rank: in
     return [rows[i] for _, i in mine], [prompt_seed(seed, step, pos) for pos, _ in mine]
 
 
+class PromptStream:
+    """One trainer rank's own prompts under dynamic sampling, where each rank draws as many as
+    its waves need: rank r takes positions r, r + dp, r + 2 dp, ... of the same per-epoch
+    shuffles as `step_indices`, so no rank gathers anything and the order depends on the seed
+    and the trainer count only. Prompts put back (an informative group beyond the step's
+    target, G-Core's buffer) are drawn first. `state` / `load` carry it through a checkpoint."""
+
+    def __init__(self, n_rows: int, seed: int, rank: int, dp: int):
+        self.n_rows, self.seed, self.rank, self.dp = n_rows, seed, rank, dp
+        self.cursor = 0  # prompts drawn from the data so far
+        self.buffer = []  # row indices put back, drawn first
+        self.epoch, self.order = -1, []  # the shuffle of the current epoch
+
+    def take(self, k: int) -> list[int]:
+        """The next k row indices: the buffer's first, then the data's."""
+        out, self.buffer = self.buffer[:k], self.buffer[k:]
+        while len(out) < k:
+            epoch, offset = divmod(self.rank + self.cursor * self.dp, self.n_rows)
+            if epoch != self.epoch:
+                self.epoch, self.order = epoch, list(range(self.n_rows))
+                random.Random(f"{self.seed}-epoch-{epoch}").shuffle(self.order)
+            out.append(self.order[offset])
+            self.cursor += 1
+        return out
+
+    def put_back(self, indices: list[int]):
+        self.buffer.extend(indices)
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor, "buffer": list(self.buffer)}
+
+    def load(self, state: dict):
+        self.cursor, self.buffer = state["cursor"], list(state["buffer"])
+
+
 def per_sample(values: list, n: int) -> list:
     """One value per prompt -> one per completion (prompt-major, as the engines return them)."""
     return [v for v in values for _ in range(n)]
@@ -410,9 +445,12 @@ def rank_slice(items: list, rank: int, world: int) -> list:
     return items[rank * per:(rank + 1) * per]
 
 
-def prompt_seed(seed: int, step: int, index: int) -> int:
-    """A 31-bit seed for one prompt of the global batch: the same on any rank or placement."""
-    return random.Random(f"{seed}-{step}-{index}").getrandbits(31)
+def prompt_seed(seed: int, step: int, index: int, wave: int | None = None) -> int:
+    """A 31-bit seed for one prompt of the global batch (of one wave, with dynamic sampling):
+    the same on any rank or placement."""
+    if wave is None:
+        return random.Random(f"{seed}-{step}-{index}").getrandbits(31)
+    return random.Random(f"{seed}-{step}-wave{wave}-{index}").getrandbits(31)
 
 
 class Batch(TypedDict, total=False):

@@ -37,6 +37,27 @@ class Samples:
     texts: list  # decoded completions (stop string cut off)
     version: int = 0  # the policy version (optimizer steps) of the weights that generated them
 
+    @classmethod
+    def empty(cls, version: int = 0) -> "Samples":
+        """No prompts, no samples (a rank with nothing left to refill still takes part)."""
+        return cls(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1), torch.zeros(0, dtype=torch.long),
+                   [], [], version)
+
+    def take(self, rows: list[int]) -> "Samples":
+        """These rows, in this order."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return Samples(self.tokens[index], self.logprobs[index], self.lengths[index],
+                       [self.finish_reasons[i] for i in rows], [self.texts[i] for i in rows], self.version)
+
+    @staticmethod
+    def cat(parts: list["Samples"]) -> "Samples":
+        """Rows of several batches, one after the other (completions padded to the longest)."""
+        T = max(p.tokens.shape[1] for p in parts)
+        pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
+        return Samples(torch.cat([pad(p.tokens) for p in parts]), torch.cat([pad(p.logprobs) for p in parts]),
+                       torch.cat([p.lengths for p in parts]), [r for p in parts for r in p.finish_reasons],
+                       [t for p in parts for t in p.texts], min(p.version for p in parts))
+
 
 class Engine:
     """What local engines share: `version` of the loaded weights (set by placement.sync), and
@@ -79,6 +100,8 @@ class NativeEngine(Engine):
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
         assert self.model is not None, "load_weights before generate"
         assert len(seeds) == len(prompts), "one seed per prompt"
+        if not prompts:
+            return Samples.empty(self.version)
         dev, n, T = self.device, params.n, params.max_new_tokens
         B0, P = len(prompts), max(len(p) for p in prompts)
         N = B0 * n
@@ -208,6 +231,8 @@ class VLLMEngine(Engine):
             self.asleep = True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
+        if not prompts:
+            return Samples.empty(self.version)
         sps = [self.vllm.SamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
             max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,

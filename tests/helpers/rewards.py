@@ -43,3 +43,8 @@ def nan_for_odd(prompts, completions, **columns):
 
 def words(prompts, completions, **columns):
     return ["good"] * len(completions)
+
+
+def constant(prompts, completions, **columns):
+    """The same reward for every sample: no group carries a signal."""
+    return [0.5] * len(completions)
