@@ -7,6 +7,13 @@ taking turns on the same device. Before generation each rank all-gathers the act
 shards block by block straight into its own engine; after generation the engine drops its
 weights and cache so that training gets the memory back.
 
+partial (G-Core's partial colocation, with a generative judge): every rank trains (FSDP2
+over all of them), and for the rollout the ranks split: the first S sample with the policy
+while the other G = N - S judge with the frozen judge model, at the same time. Finished
+groups stream from the sampler to the judge a chunk at a time, so judging overlaps
+generation (roles/rollout.py `sample_and_stream`, roles/judge.py `judge_stream`); the weights
+go to the sampler ranks only. Staleness is 0.
+
 disaggregate: ranks 0..N-K-1 train (FSDP2 over their own mesh), ranks N-K..N-1 only
 generate, at the same time. Trainer i is paired with rollout rank N-K + i % K and talks to
 it point to point (its prompts out, its samples back); after each optimizer step the
@@ -24,6 +31,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from roles.rollout import RemoteEngine
+from utils.engines import Engine
 from utils.errors import UserError
 
 
@@ -34,9 +42,24 @@ class Layout:
     world: int
     dp: int  # data-parallel trainer ranks (FSDP2 shards over these)
     rollout: int = 0  # generation-only ranks (disaggregate)
+    sampler: int = 0  # partial: the first S ranks sample; the other dp - S judge
 
     def __post_init__(self):
-        if self.mode == "colocate":
+        if self.sampler and self.mode != "partial":
+            raise UserError("--sampler-ranks applies to --placement partial only (drop the flag, or add "
+                            "--placement partial)")
+        if self.mode == "partial":
+            if self.rollout:
+                raise UserError("--rollout-ranks applies to --placement disaggregate only; partial splits "
+                                "its ranks with --sampler-ranks")
+            if self.world < 2:
+                raise UserError("--placement partial needs at least 2 ranks (a sampler and a judge): launch "
+                                "with torchrun --nproc-per-node 2 or more")
+            if not 1 <= self.sampler < self.world:
+                raise UserError(f"--sampler-ranks {self.sampler} does not fit a world of {self.world}: the "
+                                f"first S ranks sample and the rest judge, so fits: --sampler-ranks in "
+                                f"{list(range(1, self.world))}")
+        elif self.mode == "colocate":
             if self.rollout:
                 raise UserError("--rollout-ranks applies to --placement disaggregate only; colocate "
                                 "generates on every rank (drop the flag, or add --placement disaggregate)")
@@ -55,7 +78,25 @@ class Layout:
                                 f"number of trainers ({self.world} - K divisible by K); fits: "
                                 f"--rollout-ranks in {fits}")
         else:
-            raise UserError(f"--placement {self.mode!r} is not available; use colocate or disaggregate")
+            raise UserError(f"--placement {self.mode!r} is not available; use colocate, disaggregate or "
+                            "partial")
+
+    @property
+    def judge(self) -> int:
+        """partial: the judge ranks."""
+        return self.dp - self.sampler if self.mode == "partial" else 0
+
+    def sampler_of(self, rank: int) -> int:
+        """partial: the sampler rank that generates `rank`'s prompts (a sampler's are its own)."""
+        if rank < self.sampler:
+            return rank
+        return (rank - self.sampler) % self.sampler
+
+    def judge_of(self, rank: int) -> int:
+        """partial: the judge rank that judges `rank`'s samples (a judge rank's are its own)."""
+        if rank >= self.sampler:
+            return rank
+        return self.sampler + rank % self.judge
 
 
 @dataclass
@@ -86,15 +127,21 @@ class Plan:
         return self.layout.mode
 
     @property
+    def sampler(self) -> bool:
+        """partial: this rank samples with the policy (else it judges)."""
+        return self.rank < self.layout.sampler
+
+    @property
     def dp(self) -> int:
         return self.layout.dp
 
 
 def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_step: int,
-         rollout_ranks: int = 0, max_staleness: int = 0, timeout_s: float = 300) -> Plan:
+         rollout_ranks: int = 0, max_staleness: int = 0, timeout_s: float = 300,
+         sampler_ranks: int = 0) -> Plan:
     """This rank's Plan. Checks that the layout fits the world and the batch, saying what would."""
-    layout = check(mode, world, prompts_per_step, rollout_ranks, max_staleness)
-    if mode == "colocate":
+    layout = check(mode, world, prompts_per_step, rollout_ranks, max_staleness, sampler_ranks)
+    if mode in ("colocate", "partial"):
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group())
     # every rank must create every group, in the same order (new_group is collective)
@@ -115,13 +162,17 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
 
 
 def check(mode: str, world: int, prompts_per_step: int, rollout_ranks: int = 0,
-          max_staleness: int = 0) -> Layout:
+          max_staleness: int = 0, sampler_ranks: int = 0) -> Layout:
     """The layout of a world of `world` ranks, or a UserError that says which flag to change
     (no process group needed: the script calls it before starting one)."""
-    layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks)
+    layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks, sampler=sampler_ranks)
     if max_staleness < 0:
         raise UserError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of "
                         "versions")
+    if max_staleness and mode == "partial":
+        raise UserError(f"--max-staleness {max_staleness}: partial placement is on-policy (as in G-Core: "
+                        "its samplers wait for the weights of each step); drop the flag, or use --placement "
+                        "disaggregate to overlap generation with training")
     if max_staleness and mode != "disaggregate":
         raise UserError(f"--max-staleness {max_staleness} overlaps generation with training, which "
                         "needs separate rollout ranks: add --placement disaggregate --rollout-ranks K, or "
@@ -149,9 +200,31 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice."""
     if plan.mode == "colocate":
         return local_engine()
+    if plan.mode == "partial":
+        if plan.sampler:
+            return local_engine()
+        return NoEngine()
     if plan.role == "trainer":
         return RemoteEngine(plan, weight_specs, bucket_bytes)
     return local_engine(own_process=True)
+
+
+class NoEngine(Engine):
+    """partial: a judge rank has no policy engine (its prompts go to its sampler); it takes part
+    in the weight gathers and drops what they produce."""
+
+    def load_weights(self, weights):
+        for _ in weights:
+            pass
+
+    def generate(self, prompts, params, seeds):
+        raise RuntimeError("a judge rank generates through its sampler (roles/judge.py judge_stream)")
+
+    def release(self):
+        pass
+
+    def close(self):
+        pass
 
 
 def sync(plan: Plan, actor, engine, version: int) -> dict:
@@ -163,8 +236,8 @@ def sync(plan: Plan, actor, engine, version: int) -> dict:
     stats = {"sync_gather_s": 0.0, "sync_bytes": 0}
     weights = _measured(actor.full_weights(), stats)
     engine.version = version
-    if plan.mode == "colocate":
-        # straight into this rank's own engine
+    if plan.mode in ("colocate", "partial"):
+        # straight into this rank's own engine (partial: a judge rank's takes none)
         engine.load_weights(weights)
     else:
         # every trainer tells its rollout rank that a version is coming; trainer 0 broadcasts it in
@@ -192,13 +265,14 @@ def _measured(weights, stats: dict):
         yield item
 
 
-def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float) -> dict:
+def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float, tally: dict | None = None) -> dict:
     """Where this rank's step went, per role: the busy and idle seconds of the trainer role and
     of the rollout role, and `device_idle`, the seconds in which this rank's device (and, in
     disaggregate, its share of its rollout rank's) had nothing to do. Summed over the trainers
     these are the `placement/` metrics, and what a rebalancer would read. `seconds` holds the
     step's phases (utils.logger.Timer): wait, sync, eval, generate, and the trainer's own (reward,
-    reference, train; PPO's reward_model, values, critic_train)."""
+    reference, train; PPO's reward_model, values, critic_train). partial: `tally` holds the
+    seconds this rank spent sampling or judging inside its rollout ("generate")."""
     phase = lambda name: seconds.get(name, 0.0)  # noqa: E731
     # the trainer role waits while samples are made (colocate: this rank makes them; disaggregate:
     # its rollout rank does), and is busy in every other phase but the sync: scoring, the
@@ -208,6 +282,23 @@ def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float) -> dict:
     for name, s in seconds.items():
         if name not in ("wait", "eval", "generate", "sync"):
             trainer_busy += s
+    if plan.mode == "partial":
+        # each rank is a trainer, and during the rollout a sampler or a judge
+        sampler_busy = 0.0
+        if plan.sampler:
+            sampler_busy = tally["sampler_busy"] + phase("eval")
+        judge_busy = tally["judge_busy"]
+        rollout_busy = sampler_busy + judge_busy
+        device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
+        out = {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
+               "rollout_idle": step_s - rollout_busy, "device_idle": device_idle,
+               "sampler_busy": sampler_busy, "judge_busy": judge_busy,
+               "sampler_idle": 0.0, "judge_idle": 0.0}
+        if plan.sampler:
+            out["sampler_idle"] = step_s - sampler_busy
+        else:
+            out["judge_idle"] = step_s - judge_busy
+        return out
     if plan.mode == "disaggregate":
         rollout = engine.take_stats()  # the rollout rank's seconds since the last step
         rollout_busy = rollout["busy_s"] + rollout["sync_s"]

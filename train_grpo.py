@@ -26,10 +26,11 @@ import torch
 import placement
 from roles.actor import Actor
 from roles.reference import Reference
+from roles import judge as judge_role
 from roles import reward_model
 from roles.reward import Reward
 from roles.reward_model import RewardModel
-from roles.rollout import serve
+from roles.rollout import sample_and_stream, serve
 from utils import algos, checkpoint, dist, errors
 from utils.data import (BUILTIN, PromptStream, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
                         micro_batches, per_sample, prompt_seed, step_prompts, tokenize_rows)
@@ -40,7 +41,7 @@ from utils.model import check_checkpoint, read_config
 from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
-GROUP_BASELINES = ("grpo", "rloo", "reinforce++_baseline")  # advantages that are 0 when a group's rewards agree
+GROUP_BASELINES = ("grpo", "rloo", "reinforce++_baseline")  # advantage 0 when a group's rewards agree
 # G-Core's dynamic-sampling constants (its DynamicSamplingRolloutGenerator's defaults): the running
 # groups-per-informative-group ratio starts at 1, decays by 0.9 a step and is capped at 10
 DS_INITIAL_EMA, DS_DECAY, DS_MAX_RATIO = 1.0, 0.9, 10.0
@@ -86,6 +87,21 @@ class Args:
     reward_model: str | None = None
     """a Bradley-Terry reward model (a HF ...ForSequenceClassification checkpoint with the policy's
     tokenizer; train_rm.py trains one): the `rm` term of --rewards"""
+    judge_model: str | None = None
+    """a generative judge, any HF causal checkpoint (assets/judge-tiny for the built-in task): the `judge`
+    term of --rewards, +1 for each verdict yes and -1 for no, averaged over --judge-samples"""
+    judge_template: str | None = None
+    """the judge's prompt, a str.format (or jinja) string or a file holding one, with the fields prompt,
+    completion and any dataset column (default: roles.judge.DEFAULT_TEMPLATE, ending in 'Verification: Is
+    the answer correct (Yes/No)?')"""
+    judge_samples: int = 4
+    """verdicts sampled per completion and averaged (G-Core's script: 8)"""
+    judge_temperature: float = 0.7
+    """the judge's sampling temperature (G-Core's: 0.7)"""
+    judge_max_new_tokens: int = 4
+    """the length limit of a verdict"""
+    judge_chunk: int = 2
+    """partial: prompts per chunk that a sampler streams to its judge as soon as they are generated"""
     reward_timeout_s: float = 60.0
     """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
     code_timeout_s: float = 5.0
@@ -173,9 +189,12 @@ class Args:
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
     """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
-    placement: Literal["colocate", "disaggregate"] = "colocate"
+    placement: Literal["colocate", "disaggregate", "partial"] = "colocate"
     """colocate: every rank trains and generates, taking turns; disaggregate: --rollout-ranks ranks
-    only generate while the others only train"""
+    only generate while the others only train; partial: every rank trains, and for the rollout the
+    first --sampler-ranks sample while the others judge (--judge-model), at the same time"""
+    sampler_ranks: int = 0
+    """partial: the first S ranks generate with the policy, the other world - S run the judge"""
     rollout_ranks: int = 0
     """disaggregate: the last K ranks generate (each serves (world - K) / K trainers)"""
     max_staleness: int = 0
@@ -226,6 +245,14 @@ def check_args(args: Args, world: int):
          f"one weight per --rewards term ({len(args.rewards)}), or none"),
         ("reward_model", (args.reward_model is None) == ("rm" not in args.rewards),
          "a reward model together with the `rm` term of --rewards (say both, or neither)"),
+        ("judge_model", (args.judge_model is None) == ("judge" not in args.rewards),
+         "a judge together with the `judge` term of --rewards (say both, or neither)"),
+        ("judge_model", args.judge_model is not None or args.placement != "partial",
+         "a judge: --placement partial splits the policy's ranks between a sampler and a judge"),
+        ("judge_samples", args.judge_samples >= 1, "1 or more"),
+        ("judge_temperature", 0 <= args.judge_temperature < math.inf, "0 (greedy) or a positive number"),
+        ("judge_max_new_tokens", args.judge_max_new_tokens >= 1, "1 or more"),
+        ("judge_chunk", args.judge_chunk >= 1, "1 or more prompts"),
         ("reward_timeout_s", args.reward_timeout_s > 0, "a positive number of seconds"),
         ("code_timeout_s", args.code_timeout_s > 0, "a positive number of seconds"),
         ("code_memory_mb", args.code_memory_mb >= 32, "32 or more"),
@@ -236,6 +263,8 @@ def check_args(args: Args, world: int):
         ("overlong_buffer", 0 <= args.overlong_buffer <= args.max_new_tokens,
          f"0 (off) or a number of tokens up to --max-new-tokens ({args.max_new_tokens})"),
         ("overlong_penalty", 0 <= args.overlong_penalty < math.inf, "0 or more"),
+        ("advantage", args.advantage != "remax" or args.placement != "partial",
+         "another advantage: remax's greedy baseline is not generated in partial placement"),
         ("dynamic_sampling", not args.dynamic_sampling or args.max_staleness == 0,
          "it decides each refill from the last wave's rewards, so it runs on-policy: drop --max-staleness"),
         ("dynamic_sampling", not args.dynamic_sampling or args.advantage in GROUP_BASELINES,
@@ -274,7 +303,7 @@ def check_args(args: Args, world: int):
                         "--answer-column, or use other --rewards")
     # the placement's own checks (rollout ranks, staleness, the batch split) need only the world size
     layout = placement.check(args.placement, world, args.prompts_per_step, args.rollout_ranks,
-                             args.max_staleness)
+                             args.max_staleness, args.sampler_ranks)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
@@ -287,6 +316,8 @@ def check_args(args: Args, world: int):
         raise UserError(f"--model: {e}") from None
     if args.reward_model:
         reward_model.check(args.reward_model, args.model)
+    if args.judge_model:
+        judge_role.check(args.judge_model, args.judge_template)
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -397,11 +428,19 @@ def update(actor, batch, args, plan):
 
 
 def evaluate(engine, accuracy, rows, args, plan):
-    """Held-out accuracy: one sample per prompt at the training temperature, seeded per prompt."""
-    mine = rows[plan.rank::plan.dp]
+    """Held-out accuracy: one sample per prompt at the training temperature, seeded per prompt
+    (by its position: the same on any rank). partial: the sampler ranks generate them all."""
+    ranks = plan.dp
+    if plan.mode == "partial":
+        ranks = plan.layout.sampler
+    mine = []
+    if plan.rank < ranks:
+        mine = rows[plan.rank::ranks]
     params = SamplingParams(1, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
-    seeds = [prompt_seed(args.seed, -1, plan.rank + i * plan.dp) for i in range(len(mine))]
-    out = engine.generate([r["ids"] for r in mine], params, seeds)
+    seeds = [prompt_seed(args.seed, -1, plan.rank + i * ranks) for i in range(len(mine))]
+    out = Samples.empty()
+    if mine:
+        out = engine.generate([r["ids"] for r in mine], params, seeds)
     columns = {"answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons}
     correct = accuracy.score([r["prompt"] for r in mine], out.texts, columns)[0]
     total = dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=plan.trainer_group)
@@ -415,14 +454,41 @@ def greedy_rewards(engine, rows, scorer, step, args, plan, timer):
     seeds = [prompt_seed(args.seed, step, plan.rank + i * plan.dp) for i in range(len(rows))]
     with timer("generate"):
         out = engine.generate([r["ids"] for r in rows], params, seeds)
-    rewards, parts, failed = scorer(rows, out, 1, timer)
+    rewards, parts, failed = scorer(rows, seeds, out, None, 1, timer)
     return rewards, failed
 
 
-def score(rows, out, n, timer, reward, rm, tok, args, plan):
-    """This controller's rewards of its own samples (`rows`: one per prompt, `out`: n samples
-    each): the reward model on their token ids, then the reward terms, plus DAPO's overlong
-    penalty. Returns (rewards [N], {term: [N]}, failed [N] bool: no reward)."""
+def rollout(engine, judge, rows, seeds, sampling, args, plan, timer, tally):
+    """This rank's samples of its own prompts (`rows`, `seeds`: one per prompt), and with
+    --placement partial their judge scores [N] too, made on the way: this rank's sampler
+    generates them while the judge ranks judge finished chunks (else None: `score` judges)."""
+    with timer("generate"):
+        if plan.mode != "partial":
+            return engine.generate([r["ids"] for r in rows], sampling, seeds), None
+        if plan.sampler:
+            out, judged, busy = sample_and_stream(plan, engine, rows, seeds, sampling, args.judge_chunk)
+            tally["sampler_busy"] += busy
+        else:
+            out, judged, busy, count, unparsed = judge_role.judge_stream(plan, judge, rows, seeds,
+                                                                        args.num_generations)
+            tally["judge_busy"] += busy
+            tally["judge_unparsed"] += unparsed
+            tally["judge_verdicts"] += args.judge_samples * count
+    return out, judged
+
+
+def score(rows, seeds, out, judged, n, timer, tally, reward, rm, judge, tok, args, plan):
+    """This controller's rewards of its own samples (`rows`, `seeds`: one per prompt, `out`: n
+    samples each): the reward model on their token ids, the judge on their text (unless the
+    partial placement judged them already: `judged` [N]), then the reward terms, plus DAPO's
+    overlong penalty. Returns (rewards [N], {term: [N]}, failed [N] bool: no reward)."""
+    if judge and judged is None:
+        with timer("judge"):
+            judge.load()
+            judged, unparsed = judge_role.judge_chunk(judge, rows, seeds, out, n)  # [N]
+            judge.release()
+        tally["judge_unparsed"] += unparsed
+        tally["judge_verdicts"] += args.judge_samples * len(out.texts)
     rm_scores = None
     if rm:
         with timer("reward_model"):
@@ -433,7 +499,8 @@ def score(rows, out, n, timer, reward, rm, tok, args, plan):
         columns = dataset_columns(rows, n)  # answer and the rest, one value per completion
         columns["finish_reason"] = out.finish_reasons
         prompts = per_sample([r["prompt"] for r in rows], n)
-        rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)  # [N], {term: [N]}, [N]
+        # [N], {term: [N]}, [N]
+        rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores, judged)
         if args.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
             penalty = algos.overlong_penalty(out.lengths, args.max_new_tokens, args.overlong_buffer,
                                              args.overlong_penalty)  # [N]
@@ -442,7 +509,7 @@ def score(rows, out, n, timer, reward, rm, tok, args, plan):
     return rewards, parts, failed
 
 
-def dynamic_sampling(step, rows, stream, ema, engine, sampling, scorer, args, plan, timer, metrics):
+def dynamic_sampling(step, rows, stream, ema, generate, scorer, args, plan, timer, metrics):
     """DAPO's dynamic sampling in G-Core's waves, on this rank's own share (no rank gathers the
     batch). Each wave draws ceil(gap * ema * --ds-oversampling) prompts for this rank's `gap`
     missing informative groups (rewards not all equal), from `stream` (prompts put back first);
@@ -464,12 +531,11 @@ def dynamic_sampling(step, rows, stream, ema, engine, sampling, scorer, args, pl
         picked = stream.take(algos.wave_size(gap, ema, args.ds_oversampling))
         wave_rows = [rows[i] for i in picked]
         seeds = [prompt_seed(args.seed, step, plan.rank + i * plan.dp, wave) for i in range(len(picked))]
-        with timer("generate"):
-            out = engine.generate([r["ids"] for r in wave_rows], sampling, seeds)
+        out, judged = generate(wave_rows, seeds)
         waves += 1
         if not picked:  # this rank's share is full: it only took part (a remote engine expects every rank)
             continue
-        rewards, parts, failed = scorer(wave_rows, out, n, timer)  # [k * n] each
+        rewards, parts, failed = scorer(wave_rows, seeds, out, judged, n, timer)  # [k * n] each
         informative += algos.informative_groups(rewards.view(-1, n), (~failed).view(-1, n)).tolist()
         drawn.append(picked)
         outs.append(out)
@@ -507,7 +573,7 @@ def eval_due(step: int, args, eval_rows) -> bool:
     return step % args.eval_every == 0 or step == args.steps
 
 
-def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, train, sync, timer,
+def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, train, sync, timer, tally,
              skipped_steps, unscored_steps):
     """Reduce this step's numbers over the trainers (one sum, one max); rank 0 prints and writes them."""
     rewards, parts, failed = scores
@@ -516,17 +582,20 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
     groups = rewards.view(-1, n)  # [prompts, n]
     all_same = (groups.max(-1).values == groups.min(-1).values).sum()
     step_s = timer.elapsed()
-    phases = placement.phase_metrics(plan, engine, timer.seconds, step_s)
+    phases = placement.phase_metrics(plan, engine, timer.seconds, step_s, tally)
     staleness = step - out.version
     parts = {f"reward/{name}": part[~failed].sum() for name, part in parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
         **sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
         "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
         "all_same": all_same, "staleness": staleness, "completions": len(rewards),
-        "completion_tokens": batch["loss_mask"].sum()})
+        "completion_tokens": batch["loss_mask"].sum(), "judge_unparsed": tally["judge_unparsed"],
+        "judge_verdicts": tally["judge_verdicts"]})
     seconds = timer.seconds
+    judge_s = seconds.get("judge", 0.0)
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
+        **maxes, **sync, "gen_s": seconds["generate"], "judge_s": judge_s,
+        "rollout_judge_s": seconds["generate"] + judge_s, "ref_s": seconds.get("reference", 0.0),
         "rm_s": seconds.get("reward_model", 0.0), "old_logp_s": seconds.get("old_logp", 0.0),
         "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device), "step_s": step_s,
         "staleness": staleness})
@@ -555,6 +624,11 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
+    if args.judge_model:  # the judge: verdicts that did not parse (they count 0), and its time
+        metrics.update({
+            "reward/judge_unparsed": total["judge_unparsed"],
+            "reward/judge_unparsed_share": total["judge_unparsed"] / max(1.0, total["judge_verdicts"]),
+            "perf/judge_s": peak["judge_s"], "perf/rollout_judge_s": peak["rollout_judge_s"]})
     if "mismatch_kl" in total:  # --mismatch: how far the engine is from the trainer, what it corrected
         count, rows = max(1.0, total["mismatch_count"]), max(1.0, total["mismatch_rows"])
         metrics.update({
@@ -566,6 +640,11 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
     # per role, mean over the trainer ranks (rollout: over the rollout ranks serving them)
     for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
         metrics[f"placement/{role}_s"] = total[role] / dp
+    if plan.mode == "partial":  # per sampler rank and per judge rank
+        for role in ("sampler_busy", "sampler_idle"):
+            metrics[f"placement/{role}_s"] = total[role] / plan.layout.sampler
+        for role in ("judge_busy", "judge_idle"):
+            metrics[f"placement/{role}_s"] = total[role] / plan.layout.judge
     metrics.update({
         "placement/idle_share": total["device_idle"] / (plan.layout.world * peak["step_s"]),
         "placement/staleness_max": peak["staleness"], "placement/staleness_mean": total["staleness"] / dp})
@@ -579,7 +658,7 @@ if __name__ == "__main__":
     cfg, tok = read_config(args.model), Tokenizer(args.model)
     rank, world, device = dist.init(args.timeout_s)
     plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
-                          args.max_staleness, args.timeout_s)
+                          args.max_staleness, args.timeout_s, args.sampler_ranks)
     torch.manual_seed(args.seed)
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.max_prompt_tokens + args.max_new_tokens
@@ -618,11 +697,18 @@ if __name__ == "__main__":
     reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s,
                     args.code_memory_mb)
     accuracy = Reward(["accuracy"])  # the held-out metric
+    judge = None  # partial: only the judge ranks hold it
+    if args.judge_model and (plan.mode != "partial" or not plan.sampler):
+        judge_len = max_len + 512 + args.judge_max_new_tokens  # the template's own words: under 512 tokens
+        judge = judge_role.make_judge(args.judge_model, args.engine, device, param_dtype, judge_len,
+                                      args.seed, args.judge_template, args.judge_samples,
+                                      args.judge_temperature, args.judge_max_new_tokens, args.reward_timeout_s)
+        judge_role.check_template(judge.template, [*dataset_columns(rows[:1], 1), "finish_reason"])
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), int(args.sync_bucket_mb * 2**20))
     sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k,
                               args.max_new_tokens)
 
-    scorer = partial(score, reward=reward, rm=rm, tok=tok, args=args, plan=plan)
+    scorer = partial(score, reward=reward, rm=rm, judge=judge, tok=tok, args=args, plan=plan)
     resumed = checkpoint.resume(args.run_dir, args.resume, actor, rank)
     start = resumed["step"]  # steps already done
     # dynamic sampling: this rank's own prompt stream and the running ratio, carried by checkpoints
@@ -671,21 +757,31 @@ if __name__ == "__main__":
         # are then up to S versions old, and the ratio to the engine's log-probs corrects it.
         # --dynamic-sampling instead generates and scores in waves until the groups are informative
         padded = torch.zeros(args.prompts_per_step // plan.dp * n, dtype=torch.bool)  # [N]
+        tally = {"sampler_busy": 0.0, "judge_busy": 0.0, "judge_unparsed": 0, "judge_verdicts": 0}
+        generate = partial(rollout, engine, judge, sampling=sampling, args=args, plan=plan, timer=timer,
+                           tally=tally)
+        score_with = partial(scorer, tally=tally)
         if args.dynamic_sampling:
             local, out, (rewards, parts, failed), padded, ema = dynamic_sampling(
-                step, rows, stream, ema, engine, sampling, scorer, args, plan, timer, metrics)
+                step, rows, stream, ema, generate, score_with, args, plan, timer, metrics)
+        elif plan.mode == "partial":
+            local, seeds = step_prompts(rows, step, args.prompts_per_step, args.seed, rank, plan.dp)
+            out, judged = generate(local, seeds)
+            rewards, parts, failed = score_with(local, seeds, out, judged, n, timer)
         else:
             with timer("generate"):
                 while submitted <= min(step + args.max_staleness, args.steps - 1):
-                    ahead, seeds = step_prompts(rows, submitted, args.prompts_per_step, args.seed, rank, plan.dp)
-                    in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
+                    ahead, seeds = step_prompts(rows, submitted, args.prompts_per_step, args.seed, rank,
+                                                plan.dp)
+                    ticket = engine.submit([r["ids"] for r in ahead], sampling, seeds)
+                    in_flight[submitted] = ahead, seeds, ticket
                     submitted += 1
-                local, ticket = in_flight.pop(step)
+                local, seeds, ticket = in_flight.pop(step)
                 out = engine.result(ticket)
-            rewards, parts, failed = scorer(local, out, n, timer)  # [N], {term: [N]}, [N]
+            rewards, parts, failed = score_with(local, seeds, out, None, n, timer)  # [N], {term: [N]}, [N]
         greedy = None
         if args.advantage == "remax":  # the baseline: the reward of each prompt's greedy completion
-            greedy, greedy_failed = greedy_rewards(engine, local, scorer, step, args, plan, timer)
+            greedy, greedy_failed = greedy_rewards(engine, local, score_with, step, args, plan, timer)
         engine.release()
         prompt_ids = per_sample([r["ids"] for r in local], n)
         batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
@@ -724,15 +820,18 @@ if __name__ == "__main__":
         skipped_steps += int(halt["skipped"])
         unscored_steps += int(halt["unscored"])
         log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failed), batch, train,
-                 sync, timer, skipped_steps, unscored_steps)
+                 sync, timer, tally, skipped_steps, unscored_steps)
         if skipped_steps > args.max_skipped_steps:
             raise UserError(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. "
                             f"{checkpoint.last_complete(args.run_dir)}")
         if unscored_steps > args.max_skipped_steps:
+            why = reward.last_failure()
+            if judge and judge.last_error:
+                why = f"the judge: {judge.last_error}"
             raise UserError(f"stopping: in {unscored_steps} steps every reward failed (--max-skipped-steps "
                             f"{args.max_skipped_steps}); check --rewards {' '.join(args.rewards)}: "
-                            f"{reward.last_failure()}. {checkpoint.last_complete(args.run_dir)}")
+                            f"{why}. {checkpoint.last_complete(args.run_dir)}")
         if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
             path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
             checkpoint.export_hf(actor, path, rank, args.model)

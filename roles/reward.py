@@ -9,6 +9,8 @@ A reward is a sum of weighted terms, each either built in or `module:function`:
                time limit, a memory limit, no network and its own PID namespace
     rm         a Bradley-Terry reward model's score (--reward-model DIR, roles/reward_model.py); the
                train script runs the model and hands its scores to `Reward.score`
+    judge      a generative judge's verdict, +1 yes to -1 no averaged over its samples (--judge-model
+               DIR, roles/judge.py); handed in the same way (NaN: the judge failed on that sample)
     pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float]
 A user function that raises is retried sample by sample; a sample that still fails scores 0
 and is counted in the step's metrics (`reward/failures`); so does a call that runs past the
@@ -150,7 +152,7 @@ class Reward:
         weights = list(weights) if weights else [1.0] * len(names)
         if len(weights) != len(names):
             raise UserError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
-        self.terms = [(n, None if n == "rm" else resolve(n), w) for n, w in zip(names, weights)]
+        self.terms = [(n, None if n in ("rm", "judge") else resolve(n), w) for n, w in zip(names, weights)]
         self.timeout_s = timeout_s
         self.failures = {}  # reward name -> what the last of its failed samples raised
         if "code" in names:
@@ -158,9 +160,9 @@ class Reward:
             self.terms = [(n, functools.partial(fn, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
                            if n == "code" else fn, w) for n, fn, w in self.terms]
 
-    def score(self, prompts: list, completions: list[str], columns: dict[str, list], rm=None):
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list], rm=None, judge=None):
         """One score per completion; columns hold per-completion lists (answer, finish_reason,
-        and any other dataset column); rm [N]: the reward model's scores (the `rm` term).
+        and any other dataset column); rm, judge [N]: the reward model's and the judge's scores.
         Returns (rewards [N], {term name: [N]}, failed [N] bool): a sample whose term raised,
         timed out or gave NaN/inf has no reward (it reads 0 here; the trainer leaves it out of its
         group's statistics and of the loss)."""
@@ -172,8 +174,9 @@ class Reward:
             timeout_s = self.timeout_s
             if name == "code":
                 timeout_s = None
-            if name == "rm":
-                scores, term_failed = rm.tolist(), (~torch.isfinite(rm)).tolist()
+            if name in ("rm", "judge"):
+                given = rm if name == "rm" else judge
+                scores, term_failed = given.tolist(), (~torch.isfinite(given)).tolist()
                 scores = [0.0 if bad else v for v, bad in zip(scores, term_failed)]
             else:
                 scores, term_failed = _call(name, fn, prompts, completions, columns, timeout_s, self.failures)

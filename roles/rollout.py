@@ -1,15 +1,21 @@
-"""The rollout role (disaggregate placement): ranks that only generate.
+"""The rollout role: ranks that generate with the policy for other ranks.
 
-A trainer reaches its rollout rank through `RemoteEngine`, which has the same methods as a
-local engine (utils/engines.py), and the rollout rank runs `serve`. They speak in the three
-messages below, pickled over point-to-point sends (utils/dist.py); the weights themselves
-never travel as messages but as a bucketed broadcast from trainer 0.
+disaggregate: ranks that only generate. A trainer reaches its rollout rank through
+`RemoteEngine`, which has the same methods as a local engine (utils/engines.py), and the
+rollout rank runs `serve`. They speak in the three messages below, pickled over point-to-point
+sends (utils/dist.py); the weights themselves never travel as messages but as a bucketed
+broadcast from trainer 0.
+
+partial: the sampler ranks, which also train, generate their own prompts and their judge
+ranks' (`sample_and_stream`), streaming finished chunks to the judge (roles/judge.py).
 """
 import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from utils import dist
 from utils.engines import SamplingParams, Samples
@@ -191,3 +197,59 @@ def serve(plan, engine):
             t = time.perf_counter()
             sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, trainer)
     dist.wait_all(sent)
+
+
+# ---- partial placement: the sampler ranks' part of a rollout (the judge's is roles/judge.py)
+
+@dataclass
+class Prompts:
+    """A judge rank's own prompts of this wave, sent to the sampler that generates them."""
+    ids: list[list[int]]
+    seeds: list[int]
+
+
+@dataclass
+class Chunk:
+    """Samples of up to --judge-chunk of `owner`'s prompts, on their way to its judge; `rows`
+    (prompt text and dataset columns, for the judge's template) travel only for a sampler's
+    own prompts: a judge rank has its own. `last`: the owner's final chunk of this wave."""
+    owner: int
+    rows: list[dict]
+    seeds: list[int]
+    samples: Samples
+    last: bool
+
+
+def sample_and_stream(plan, engine, rows, seeds, params, chunk: int):
+    """A sampler rank's part of one partial-placement rollout (`roles.judge.judge_stream` is
+    the other part, on the judge ranks, at the same time).
+
+    Consumes: a `Prompts` message from each judge rank it generates for (those with
+      plan.layout.sampler_of(j) == this rank), then its own `rows` and `seeds`.
+    Does: generates its own prompts, then theirs, `chunk` prompts at a time, and sends each
+      finished chunk at once (non-blocking) to the owner's judge (a judge rank's chunks to
+      that judge rank itself), so that judging overlaps the rest of the generation.
+    Waits for: the judge's scores of its own chunks, after the last one is sent.
+    Produces: (its own Samples, their judge scores [N], busy seconds generating)."""
+    layout, me = plan.layout, plan.rank
+    jobs = [(me, [r["ids"] for r in rows], seeds, rows)]
+    for j in range(layout.sampler, layout.world):
+        if layout.sampler_of(j) == me:
+            msg = dist.recv_obj(j)
+            jobs.append((j, msg.ids, msg.seeds, None))
+    sent, mine, busy = [], [], 0.0
+    for owner, ids, owner_seeds, owner_rows in jobs:
+        for k in range(0, max(1, len(ids)), chunk):  # an empty share still sends its (empty) last chunk
+            t = time.perf_counter()
+            out = engine.generate(ids[k:k + chunk], params, owner_seeds[k:k + chunk])
+            busy += time.perf_counter() - t
+            part = [] if owner_rows is None else owner_rows[k:k + chunk]
+            msg = Chunk(owner, part, owner_seeds[k:k + chunk], out, last=k + chunk >= len(ids))
+            sent += dist.isend_obj(msg, layout.judge_of(owner))
+            if owner == me:
+                mine.append(out)
+    judged = []
+    for _ in mine:
+        judged.append(dist.recv_obj(layout.judge_of(me)))
+    dist.wait_all(sent)
+    return Samples.cat(mine), torch.cat(judged), busy

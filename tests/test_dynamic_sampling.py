@@ -120,6 +120,7 @@ def test_a_step_that_finds_too_few_informative_groups_pads_them_out_of_the_loss(
 def test_resume_carries_the_prompt_stream_and_the_ema(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     torchrun(2, "train_grpo.py", *TINY, "--run-dir", a, "--save-every", "2")
-    torchrun(2, "train_grpo.py", *TINY, "--run-dir", b, "--resume", os.path.join(a, "checkpoints", "step_00000002"))
+    step2 = os.path.join(a, "checkpoints", "step_00000002")
+    torchrun(2, "train_grpo.py", *TINY, "--run-dir", b, "--resume", step2)
     whole, resumed = metrics(a), metrics(b)
     assert differences(whole[2:], resumed) == []

@@ -1,0 +1,80 @@
+"""The judge in a run: colocated (in-process, taking turns) and G-Core's partial placement
+(first S ranks sample while the others judge finished chunks, all ranks train), with the same
+rewards; a judge that fails is counted, and a run whose every reward fails stops clearly."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_fsdp import ROOT, torchrun
+
+import placement
+from utils.errors import UserError
+from utils.logger import differences, read_metrics
+
+TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
+        "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
+JUDGE = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5", "--judge-model", "assets/judge-tiny",
+         "--judge-samples", "2", "--judge-chunk", "2"]
+PARTIAL = ["--placement", "partial", "--sampler-ranks", "1"]
+
+
+def metrics(run_dir):
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def test_partial_sizes_that_do_not_fit_say_what_would():
+    with pytest.raises(UserError, match=r"fits: --sampler-ranks in \[1, 2\]"):
+        placement.check("partial", 3, 6, sampler_ranks=3)
+    with pytest.raises(UserError, match=r"fits: --sampler-ranks in \[1\]"):
+        placement.check("partial", 2, 4, sampler_ranks=0)
+    with pytest.raises(UserError, match="at least 2 ranks"):
+        placement.check("partial", 1, 4, sampler_ranks=1)
+    with pytest.raises(UserError, match="on-policy"):
+        placement.check("partial", 2, 4, max_staleness=1, sampler_ranks=1)
+    with pytest.raises(UserError, match="applies to --placement partial only"):
+        placement.check("colocate", 2, 4, sampler_ranks=1)
+    with pytest.raises(UserError, match="does not split over 3 trainer ranks"):
+        placement.check("partial", 3, 4, sampler_ranks=1)
+    layout = placement.check("partial", 5, 10, sampler_ranks=2)
+    assert [layout.sampler_of(r) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert [layout.judge_of(r) for r in range(5)] == [2, 3, 2, 3, 4]
+
+
+@pytest.mark.parametrize("extra", [[], ["--dynamic-sampling"]], ids=["plain", "dynamic"])
+def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path, extra):
+    """Every rank a controller of its own prompts with per-prompt seeds, verdicts seeded per
+    completion: splitting the rollout between a sampler and a judge changes where the work
+    runs, not the experiment, so every non-timing metric (the judge's term, the rewards, the
+    losses, held-out accuracy) and the final weights are the same."""
+    co, pa = str(tmp_path / "co"), str(tmp_path / "pa")
+    torchrun(2, "train_grpo.py", *TINY, *JUDGE, *extra, "--run-dir", co)
+    torchrun(2, "train_grpo.py", *TINY, *JUDGE, *extra, *PARTIAL, "--run-dir", pa)
+    a, b = metrics(co), metrics(pa)
+    assert len(a) == 4 and differences(a, b) == []
+    for r in b[:3]:
+        assert "rollout/reward/judge" in r and r["reward/judge_unparsed_share"] < 0.5
+        assert r["placement/sampler_busy_s"] > 0 and r["placement/judge_busy_s"] > 0
+        assert 0 <= r["placement/idle_share"] <= 1
+    from safetensors.torch import load_file
+    wa = load_file(os.path.join(co, "final", "model.safetensors"))
+    wb = load_file(os.path.join(pa, "final", "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("where", [[], PARTIAL], ids=["colocate", "partial"])
+def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path, where):
+    """Every judge call runs past --reward-timeout-s: its samples have no reward (counted in
+    reward/failures); with the judge as the only reward every sample fails, and after
+    --max-skipped-steps such steps the run stops, saying so."""
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "train_grpo.py", *TINY, "--rewards", "judge", "--judge-model", "assets/judge-tiny", "--reward-timeout-s", "1e-6",
+           "--max-skipped-steps", "1", *where, "--run-dir", run]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "every reward failed" in p.stdout + p.stderr and "judg" in p.stdout + p.stderr
+    rows = metrics(run)
+    assert rows and all(r["reward/failures"] == 16 for r in rows if "reward/failures" in r)
