@@ -92,11 +92,13 @@ class Layout:
             return rank
         return (rank - self.sampler) % self.sampler
 
-    def judge_of(self, rank: int) -> int:
-        """partial: the judge rank that judges `rank`'s samples (a judge rank's are its own)."""
-        if rank >= self.sampler:
-            return rank
-        return self.sampler + rank % self.judge
+    def judges_of(self, sampler: int) -> list[int]:
+        """partial: the judge ranks among which a sampler deals its own prompts' chunks: those it
+        generates for (a judge rank judges its own prompts), or one when it has none (G < S)."""
+        judges = [j for j in range(self.sampler, self.world) if self.sampler_of(j) == sampler]
+        if not judges:
+            judges = [self.sampler + sampler % self.judge]
+        return judges
 
 
 @dataclass

@@ -243,7 +243,8 @@ def judge_stream(plan, judge, rows, seeds, n: int):
 
     Sends: its own prompts (`rows`, `seeds`) to its sampler, first.
     Consumes: `Chunk`s from each sampler, in that sampler's send order: the sampler's own
-      prompts' chunks when this rank is their judge, then this rank's own.
+      prompts' chunks dealt to this rank (when it is among `judges_of` the sampler), then this
+      rank's own; each stream ends with a chunk marked `last`.
     Does: judges each chunk as it lands (the judge's weights loaded for the rollout, released
       after it, as a colocated engine's are) and sends a sampler's scores straight back.
     Produces: (its own Samples, their judge scores [N], busy seconds judging, the completions it
@@ -257,7 +258,7 @@ def judge_stream(plan, judge, rows, seeds, n: int):
     judged_count, unparsed = 0, 0
     for sampler in range(layout.sampler):
         owners = []
-        if layout.judge_of(sampler) == me:
+        if me in layout.judges_of(sampler):
             owners.append(sampler)
         if layout.sampler_of(me) == sampler:
             owners.append(me)

@@ -227,29 +227,38 @@ def sample_and_stream(plan, engine, rows, seeds, params, chunk: int):
     Consumes: a `Prompts` message from each judge rank it generates for (those with
       plan.layout.sampler_of(j) == this rank), then its own `rows` and `seeds`.
     Does: generates its own prompts, then theirs, `chunk` prompts at a time, and sends each
-      finished chunk at once (non-blocking) to the owner's judge (a judge rank's chunks to
-      that judge rank itself), so that judging overlaps the rest of the generation.
-    Waits for: the judge's scores of its own chunks, after the last one is sent.
+      finished chunk at once (non-blocking) to a judge, so that judging overlaps the rest of
+      the generation: its own chunks dealt in turn among `judges_of(this rank)` (each of them
+      gets at least an empty one, whose `last` closes its stream), a judge rank's to itself.
+    Waits for: the judges' scores of its own chunks, after the last chunk is sent.
     Produces: (its own Samples, their judge scores [N], busy seconds generating)."""
     layout, me = plan.layout, plan.rank
-    jobs = [(me, [r["ids"] for r in rows], seeds, rows)]
-    for j in range(layout.sampler, layout.world):
-        if layout.sampler_of(j) == me:
-            msg = dist.recv_obj(j)
-            jobs.append((j, msg.ids, msg.seeds, None))
+    judges = layout.judges_of(me)
+    ids = [r["ids"] for r in rows]
+    starts = list(range(0, len(ids), chunk))
+    count = max(len(starts), len(judges))  # own chunks sent, empty ones included
     sent, mine, busy = [], [], 0.0
-    for owner, ids, owner_seeds, owner_rows in jobs:
-        for k in range(0, max(1, len(ids)), chunk):  # an empty share still sends its (empty) last chunk
+    for k in range(count):
+        out, part, part_seeds = Samples.empty(engine.version), [], []
+        if k < len(starts):
+            part, part_seeds = rows[starts[k]:starts[k] + chunk], seeds[starts[k]:starts[k] + chunk]
             t = time.perf_counter()
-            out = engine.generate(ids[k:k + chunk], params, owner_seeds[k:k + chunk])
+            out = engine.generate(ids[starts[k]:starts[k] + chunk], params, part_seeds)
             busy += time.perf_counter() - t
-            part = [] if owner_rows is None else owner_rows[k:k + chunk]
-            msg = Chunk(owner, part, owner_seeds[k:k + chunk], out, last=k + chunk >= len(ids))
-            sent += dist.isend_obj(msg, layout.judge_of(owner))
-            if owner == me:
-                mine.append(out)
+        last = k + len(judges) >= count  # this judge's final chunk of this share
+        sent += dist.isend_obj(Chunk(me, part, part_seeds, out, last), judges[k % len(judges)])
+        mine.append(out)
+    for j in range(layout.sampler, layout.world):  # the judge ranks' prompts, each back to its owner
+        if layout.sampler_of(j) != me:
+            continue
+        msg = dist.recv_obj(j)
+        for k in range(0, max(1, len(msg.ids)), chunk):  # an empty share still sends its (empty) last chunk
+            t = time.perf_counter()
+            out = engine.generate(msg.ids[k:k + chunk], params, msg.seeds[k:k + chunk])
+            busy += time.perf_counter() - t
+            sent += dist.isend_obj(Chunk(j, [], msg.seeds[k:k + chunk], out, k + chunk >= len(msg.ids)), j)
     judged = []
-    for _ in mine:
-        judged.append(dist.recv_obj(layout.judge_of(me)))
+    for k in range(count):
+        judged.append(dist.recv_obj(judges[k % len(judges)]))
     dist.wait_all(sent)
     return Samples.cat(mine), torch.cat(judged), busy

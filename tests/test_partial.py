@@ -39,7 +39,8 @@ def test_partial_sizes_that_do_not_fit_say_what_would():
         placement.check("partial", 3, 4, sampler_ranks=1)
     layout = placement.check("partial", 5, 10, sampler_ranks=2)
     assert [layout.sampler_of(r) for r in range(5)] == [0, 1, 0, 1, 0]
-    assert [layout.judge_of(r) for r in range(5)] == [2, 3, 2, 3, 4]
+    assert [layout.judges_of(s) for s in range(2)] == [[2, 4], [3]]
+    assert placement.check("partial", 3, 6, sampler_ranks=2).judges_of(1) == [2]  # G < S: shared
 
 
 @pytest.mark.parametrize("extra", [[], ["--dynamic-sampling"]], ids=["plain", "dynamic"])
