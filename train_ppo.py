@@ -190,6 +190,8 @@ def check_args(args: Args, world: int):
         ("top_p", 0 < args.top_p <= 1, "a number in (0, 1] (1.0: off)"),
         ("top_k", args.top_k >= 0, "0 (off) or a number of tokens"),
         ("rewards", len(args.rewards) >= 1, "at least one reward term"),
+        ("rewards", "judge" not in args.rewards, "terms without `judge`: the generative judge (--judge-model) "
+         "is train_grpo.py's; train_ppo.py takes rules, functions and a Bradley-Terry `rm`"),
         ("reward_weights", len(args.reward_weights) in (0, len(args.rewards)),
          f"one weight per --rewards term ({len(args.rewards)}), or none"),
         ("reward_model", (args.reward_model is None) == ("rm" not in args.rewards),

@@ -67,6 +67,11 @@ CASES = [  # (flags, what the error line must say)
     (["--rewards", "rm", "--reward-model", "assets/arith-tiny"],
      "--reward-model assets/arith-tiny is a Qwen2ForCausalLM: use a ...ForSequenceClassification checkpoint"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
+    (["--dynamic-sampling", "--advantage", "remax"], "carry no signal only under a group baseline"),
+    (["--placement", "partial", "--sampler-ranks", "1"], "--judge-model None: use a judge: --placement partial"),
+    (["--rewards", "judge"], "--judge-model None: use a judge together with the `judge` term of --rewards"),
+    (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny", "--judge-template", "{prompt} {why}"],
+     "--judge-template reads {why}, which is no field"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
@@ -96,6 +101,7 @@ PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own ch
     (["--critic-model", "{tmp}/nothing"], "--critic-model: checkpoint directory"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
+    (["--rewards", "judge"], "the generative judge (--judge-model) is train_grpo.py's"),
 ]
 CASES = [("train_grpo.py", f, s) for f, s in CASES] + [("train_ppo.py", f, s) for f, s in PPO_CASES]
 
