@@ -13,6 +13,12 @@ from utils.logger import differences, read_metrics
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1",
         "--dynamic-sampling"]
+JUDGE = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5",
+         "--judge-model", "assets/judge-tiny", "--judge-samples", "2", "--judge-chunk", "2"]
+
+
+def metrics(run_dir):
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def test_wave_size_and_ema_follow_g_cores_rules_by_hand():
@@ -81,20 +87,22 @@ def test_a_padded_group_carries_exactly_zero_loss_and_gradient():
     assert torch.equal(loss.detach(), loss4.detach()) and torch.equal(logp.grad[:4], kept.grad)
 
 
-def metrics(run_dir):
-    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-
-
-def test_dynamic_sampling_fills_every_step_and_equals_disaggregate_on_policy(tmp_path):
-    """Colocate on 2 ranks and disaggregate (2 trainers + 1 rollout rank, staleness 0) draw the
-    same waves with the same seeds, so every non-timing metric is the same; each step holds
-    exactly --prompts-per-step groups (kept + padded), of the groups its waves generated."""
-    co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
-    torchrun(2, "train_grpo.py", *TINY, "--run-dir", co)
-    torchrun(3, "train_grpo.py", *TINY, "--placement", "disaggregate", "--rollout-ranks", "1",
+def test_dynamic_sampling_is_the_same_run_in_every_placement_and_after_a_resume(tmp_path):
+    """With the judge as a second reward: colocate on 2 ranks, disaggregate (2 trainers + 1
+    rollout rank, staleness 0), partial (1 sampler + 1 judge) and a resume from colocate's
+    step-2 checkpoint draw the same waves with the same seeds, so every non-timing metric is the
+    same; each step holds exactly --prompts-per-step groups (kept + padded) of those generated."""
+    co, dis, pa, re = (str(tmp_path / d) for d in ("co", "dis", "pa", "re"))
+    flags = [*TINY, *JUDGE]
+    torchrun(2, "train_grpo.py", *flags, "--run-dir", co, "--save-every", "2")
+    torchrun(3, "train_grpo.py", *flags, "--placement", "disaggregate", "--rollout-ranks", "1",
              "--run-dir", dis)
-    a, b = metrics(co), metrics(dis)
-    assert len(a) == 4 and differences(a, b) == []
+    torchrun(2, "train_grpo.py", *flags, "--placement", "partial", "--sampler-ranks", "1", "--run-dir", pa)
+    step2 = os.path.join(co, "checkpoints", "step_00000002")
+    torchrun(2, "train_grpo.py", *flags, "--run-dir", re, "--resume", step2)
+    a = metrics(co)
+    assert len(a) == 4 and differences(a, metrics(dis)) == [] and differences(a, metrics(pa)) == []
+    assert differences(a[2:], metrics(re)) == []  # the prompt stream and the ema came back exactly
     for r in a[:3]:
         assert r["rollout/ds_groups_kept"] + r["rollout/ds_groups_padded"] == 4
         assert r["rollout/ds_groups_generated"] >= 4 and 1 <= r["rollout/ds_waves"] <= 4
@@ -115,12 +123,3 @@ def test_a_step_that_finds_too_few_informative_groups_pads_them_out_of_the_loss(
         assert r["rollout/ds_waves"] == 4 and r["rollout/ds_groups_kept"] == 0
         assert r["rollout/ds_groups_padded"] == 4 and r["train/rows_trained"] == 0
     assert rows[0]["rollout/ds_ema"] == pytest.approx(0.9 + 0.1 * 10)
-
-
-def test_resume_carries_the_prompt_stream_and_the_ema(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    torchrun(2, "train_grpo.py", *TINY, "--run-dir", a, "--save-every", "2")
-    step2 = os.path.join(a, "checkpoints", "step_00000002")
-    torchrun(2, "train_grpo.py", *TINY, "--run-dir", b, "--resume", step2)
-    whole, resumed = metrics(a), metrics(b)
-    assert differences(whole[2:], resumed) == []

@@ -15,8 +15,8 @@ from utils.logger import differences, read_metrics
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
-JUDGE = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5", "--judge-model", "assets/judge-tiny",
-         "--judge-samples", "2", "--judge-chunk", "2"]
+JUDGE = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5",
+         "--judge-model", "assets/judge-tiny", "--judge-samples", "2", "--judge-chunk", "2"]
 PARTIAL = ["--placement", "partial", "--sampler-ranks", "1"]
 
 
@@ -43,15 +43,15 @@ def test_partial_sizes_that_do_not_fit_say_what_would():
     assert placement.check("partial", 3, 6, sampler_ranks=2).judges_of(1) == [2]  # G < S: shared
 
 
-@pytest.mark.parametrize("extra", [[], ["--dynamic-sampling"]], ids=["plain", "dynamic"])
-def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path, extra):
+def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path):
     """Every rank a controller of its own prompts with per-prompt seeds, verdicts seeded per
     completion: splitting the rollout between a sampler and a judge changes where the work
     runs, not the experiment, so every non-timing metric (the judge's term, the rewards, the
-    losses, held-out accuracy) and the final weights are the same."""
+    losses, held-out accuracy) and the final weights are the same. (With dynamic sampling too:
+    tests/test_dynamic_sampling.py.)"""
     co, pa = str(tmp_path / "co"), str(tmp_path / "pa")
-    torchrun(2, "train_grpo.py", *TINY, *JUDGE, *extra, "--run-dir", co)
-    torchrun(2, "train_grpo.py", *TINY, *JUDGE, *extra, *PARTIAL, "--run-dir", pa)
+    torchrun(2, "train_grpo.py", *TINY, *JUDGE, "--run-dir", co)
+    torchrun(2, "train_grpo.py", *TINY, *JUDGE, *PARTIAL, "--run-dir", pa)
     a, b = metrics(co), metrics(pa)
     assert len(a) == 4 and differences(a, b) == []
     for r in b[:3]:
@@ -64,15 +64,15 @@ def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path, ext
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("where", [[], PARTIAL], ids=["colocate", "partial"])
-def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path, where):
-    """Every judge call runs past --reward-timeout-s: its samples have no reward (counted in
-    reward/failures); with the judge as the only reward every sample fails, and after
-    --max-skipped-steps such steps the run stops, saying so."""
+def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path):
+    """Every judge call runs past --reward-timeout-s (here on the judge rank of a partial run;
+    in-process it is the same `Judge.score`, tests/test_judge.py): its samples have no reward
+    (counted in reward/failures); with the judge as the only reward every sample fails, and
+    after --max-skipped-steps such steps the run stops, saying so."""
     run = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "train_grpo.py", *TINY, "--rewards", "judge", "--judge-model", "assets/judge-tiny", "--reward-timeout-s", "1e-6",
-           "--max-skipped-steps", "1", *where, "--run-dir", run]
+           "train_grpo.py", *TINY, "--rewards", "judge", "--judge-model", "assets/judge-tiny",
+           "--reward-timeout-s", "1e-6", "--max-skipped-steps", "1", *PARTIAL, "--run-dir", run]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
