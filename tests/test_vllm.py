@@ -27,14 +27,21 @@ def test_vllm_matches_native_before_and_after_a_weight_update():
 
 
 @needs_vllm
-def test_grpo_with_vllm_reports_the_logprob_gap(tmp_path):
+def test_grpo_with_vllm_reports_the_logprob_gap_and_judges_on_vllm(tmp_path):
+    """The policy and the judge each on a vLLM engine, in one process per rank (colocate): the
+    judge's term (+1 yes, -1 no) follows the accuracy rule (2 * accuracy - 1 if it agreed on
+    every sample)."""
     run = str(tmp_path / "v")
-    p = torchrun(2, "train_grpo.py", *TINY, "--engine", "vllm", "--run-dir", run, timeout=600)
+    judge = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5",
+             "--judge-model", "assets/judge-tiny", "--judge-samples", "2"]
+    p = torchrun(2, "train_grpo.py", *TINY, "--engine", "vllm", *judge, "--run-dir", run, timeout=600)
     assert "VLLMEngine" in p.stdout
     rows = metrics(run)
     assert len(rows) == 4
     for r in rows[:3]:
         assert 0 <= r["train/logprob_gap_mean"] <= r["train/logprob_gap_max"] < 1e-3
+        assert abs(r["rollout/reward/judge"] - (2 * r["rollout/reward/accuracy"] - 1)) <= 0.5
+        assert r["reward/judge_unparsed_share"] < 0.1 and r["reward/failures"] == 0
 
 
 def test_asking_for_vllm_without_it_says_how_to_install():
