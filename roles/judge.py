@@ -264,7 +264,7 @@ def judge_stream(plan, judge, rows, seeds, n: int):
             owners.append(me)
         for owner in owners:
             while True:
-                chunk = dist.recv_obj(sampler)
+                chunk = dist.recv_or_fail(sampler, "its sampler's samples")
                 t = time.perf_counter()
                 chunk_rows = chunk.rows
                 if owner == me:

@@ -251,7 +251,7 @@ def sample_and_stream(plan, engine, rows, seeds, params, chunk: int):
     for j in range(layout.sampler, layout.world):  # the judge ranks' prompts, each back to its owner
         if layout.sampler_of(j) != me:
             continue
-        msg = dist.recv_obj(j)
+        msg = dist.recv_or_fail(j, "its judge rank's prompts")
         for k in range(0, max(1, len(msg.ids)), chunk):  # an empty share still sends its (empty) last chunk
             t = time.perf_counter()
             out = engine.generate(msg.ids[k:k + chunk], params, msg.seeds[k:k + chunk])
@@ -259,6 +259,6 @@ def sample_and_stream(plan, engine, rows, seeds, params, chunk: int):
             sent += dist.isend_obj(Chunk(j, [], msg.seeds[k:k + chunk], out, k + chunk >= len(msg.ids)), j)
     judged = []
     for k in range(count):
-        judged.append(dist.recv_obj(judges[k % len(judges)]))
+        judged.append(dist.recv_or_fail(judges[k % len(judges)], "the judge's scores"))
     dist.wait_all(sent)
     return Samples.cat(mine), torch.cat(judged), busy

@@ -241,6 +241,17 @@ def recv_obj(src: int, group=None):
     return pickle.loads(data.numpy().tobytes())
 
 
+def recv_or_fail(src: int, awaited: str, group=None):
+    """`recv_obj`, or one RuntimeError that names the peer and what was awaited: a peer that died
+    closes its connections (at once), one that hangs runs past the group's timeout."""
+    try:
+        return recv_obj(src, group)
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {src} stopped answering while this rank waited for {awaited}: it died or "
+                           f"hung (see its output above). This rank stops too; the last checkpoint is "
+                           f"intact. ({str(e)[:200]})") from e
+
+
 def wait_all(handles: list) -> list:
     for work, _ in handles:
         work.wait()
