@@ -27,7 +27,7 @@ import time
 import torch
 
 from utils import dist
-from utils.data import dataset_columns, per_sample
+from utils.data import Tokenizer, dataset_columns, per_sample
 from utils.engines import Samples, SamplingParams, make_engine
 from utils.errors import UserError
 
@@ -204,17 +204,10 @@ def make_judge(path: str, kind: str, device, dtype, max_model_len: int, seed: in
                samples: int, temperature: float, max_new_tokens: int, timeout_s: float) -> Judge:
     """The judge of the checkpoint at `path` (--judge-model) on an engine of `kind` (--engine),
     its weights not loaded yet (`Judge.load`). template: as --judge-template (read_template)."""
-    from utils.data import Tokenizer
     from utils.model import iter_checkpoint, read_config
 
-    try:
-        cfg = read_config(path)
-        tok = Tokenizer(path)
-    except FileNotFoundError as e:
-        raise UserError(f"--judge-model: {e}") from None
-    if cfg.scores:
-        raise UserError(f"--judge-model {path} is a {cfg.architecture}, a scoring model: a judge generates "
-                        "(a ...ForCausalLM); pass a sequence-classification model as --reward-model")
+    check(path, template)
+    cfg, tok = read_config(path), Tokenizer(path)
     weights = dict(iter_checkpoint(path))
     engine = make_engine(kind, path, cfg, tok, device, dtype, max_model_len, seed)
     return Judge(engine, tok, weights, read_template(template), samples, temperature, max_new_tokens,
@@ -288,7 +281,6 @@ def judge_stream(plan, judge, rows, seeds, n: int):
 
 def check(path: str, template: str | None):
     """--judge-model and --judge-template, before any process group: a readable causal model."""
-    from utils.data import Tokenizer
     from utils.model import check_checkpoint, read_config
 
     try:
