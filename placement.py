@@ -123,6 +123,7 @@ class Plan:
     rollout_peer: int | None = None  # disaggregate: a trainer's rollout rank
     # a rollout rank's trainers, in the order it serves them
     served: list[int] = field(default_factory=list)
+    timeout_s: float = 300  # --timeout-s: how long a collective waits for a rank that hangs
 
     @property
     def mode(self) -> str:
@@ -145,7 +146,8 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
     layout = check(mode, world, prompts_per_step, rollout_ranks, max_staleness, sampler_ranks)
     if mode in ("colocate", "partial"):
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
-        return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group())
+        return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group(),
+                    timeout_s=timeout_s)
     # every rank must create every group, in the same order (new_group is collective)
     timeout = datetime.timedelta(seconds=timeout_s)
     trainer_group = dist.new_group(list(range(layout.dp)), timeout=timeout)
@@ -154,13 +156,13 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
     if rank < layout.dp:
         mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group, weight_group, request_group,
-                    rollout_peer=rollout_rank_of(rank, layout))
+                    rollout_peer=rollout_rank_of(rank, layout), timeout_s=timeout_s)
     served = []
     for trainer in range(layout.dp):
         if rollout_rank_of(trainer, layout) == rank:
             served.append(trainer)
     return Plan(layout, rank, device, "rollout", weight_group=weight_group, request_group=request_group,
-                served=served)
+                served=served, timeout_s=timeout_s)
 
 
 def check(mode: str, world: int, prompts_per_step: int, rollout_ranks: int = 0,
@@ -199,7 +201,8 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     disaggregate, rollout rank: `local_engine(own_process=True)`: a vLLM engine's core then runs
     in a child process with a world of its own (in-process, it would build its groups over the
     whole torchrun world, which the trainers never join); the native engine is the same either
-    way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice."""
+    way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice; how the
+    rollout ranks take their weights is agreed here too (`_agree_on_transfer`)."""
     if plan.mode == "colocate":
         return local_engine()
     if plan.mode == "partial":
@@ -207,8 +210,37 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
             return local_engine()
         return NoEngine()
     if plan.role == "trainer":
-        return RemoteEngine(plan, weight_specs, bucket_bytes)
-    return local_engine(own_process=True)
+        engine = RemoteEngine(plan, weight_specs, bucket_bytes)
+    else:
+        engine = local_engine(own_process=True)
+    _agree_on_transfer(plan, engine, weight_specs, bucket_bytes)
+    return engine
+
+
+def _agree_on_transfer(plan: Plan, engine, specs, bucket_bytes: int):
+    """disaggregate, once: the rollout ranks say how they take weights. A native engine takes
+    trainer 0's torch broadcast over the weight group; a vLLM engine (its core in a child
+    process) takes it through vLLM's weight-transfer layer, straight into its worker: trainer 0
+    opens that group (gloo on CPU, vLLM's nccl on GPU), sends its rendezvous to the rollout
+    ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
+    if plan.role == "trainer" and plan.rank != 0:
+        return  # only trainer 0 sends weights
+    said = [getattr(engine, "backend", None)]  # a rollout rank's vLLM engine names its backend
+    dist.broadcast_object_list(said, src=plan.layout.dp, group=plan.weight_group)
+    if said[0] is None:
+        return
+    info = [None]
+    if plan.rank == 0:
+        from utils.vllm_transfer import TrainerEnd
+
+        end = TrainerEnd(said[0], specs, plan.layout.rollout, bucket_bytes, plan.timeout_s)
+        info = [end.worker_info(0)]
+    dist.broadcast_object_list(info, src=0, group=plan.weight_group)
+    if plan.rank == 0:
+        end.connect()  # returns once every rollout rank's worker has joined
+        engine.transfer = end
+    else:
+        engine.join_transfer({**info[0], "rank_offset": 1 + plan.rank - plan.layout.dp})
 
 
 class NoEngine(Engine):

