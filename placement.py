@@ -18,7 +18,9 @@ disaggregate: ranks 0..N-K-1 train (FSDP2 over their own mesh), ranks N-K..N-1 o
 generate, at the same time. Trainer i is paired with rollout rank N-K + i % K and talks to
 it point to point (its prompts out, its samples back); after each optimizer step the
 trainers gather the full weights block by block and trainer 0 broadcasts them in buckets
-of bounded bytes to the rollout ranks over their own group (NCCL on GPU, gloo on CPU).
+of bounded bytes to the rollout ranks over their own group (NCCL on GPU, gloo on CPU), or,
+when the rollout ranks run vLLM, straight into their vLLM workers through vLLM's
+weight-transfer layer (utils/vllm_transfer.py: our gloo backend on CPU, vLLM's nccl on GPU).
 """
 import datetime
 import time

@@ -1,6 +1,10 @@
 """One prepared GPU check (issue 3): bf16 GRPO steps on a random Qwen2.5-0.5B-shaped model
 (built from a config, nothing downloaded), native-engine decode tokens/s at batch 64, and
-peak GPU memory. Meant for one call on a lent H200, well under 8 minutes:
+peak GPU memory; then, where vLLM is installed (issue 18), colocate GRPO steps on a vLLM
+engine (sleep during training, wake for the update through the inproc weight transfer): the
+log-prob gap in bf16, the update seconds, and the device memory in use with the engine
+awake and asleep; vLLM's nccl backend (disaggregate) when there are two GPUs. Meant for one
+call on a lent H200, well under 8 minutes:
 
     python bench/gpu_check.py                 # on the GPU machine
     python bench/gpu_check.py --cpu-smoke     # the same code path, tiny shape, on CPU (CI-sized)
@@ -30,7 +34,47 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--steps", type=int, default=6)
 ap.add_argument("--peak-tflops", type=float, default=790.0)
+ap.add_argument("--vllm-memory", default=None, help="internal: a vLLM engine's memory on this checkpoint")
 args = ap.parse_args()
+
+
+def vllm_memory(path: str):
+    """In a process of its own: device memory in use with a vLLM engine awake, then asleep (level 2),
+    and the seconds of one weight update (wake + inproc transfer)."""
+    from utils import dist
+    from utils.engines import VLLMEngine
+
+    dist.init(timeout_s=300)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = VLLMEngine(path, Tokenizer(path), dev, torch.bfloat16, max_model_len=256,
+                        gpu_memory_utilization=0.3)
+
+    def used() -> float:
+        if dev != "cuda":
+            return 0.0
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+
+    weights = [(n, t.to(dev)) for n, t in iter_checkpoint(path)]
+    engine.load_weights(iter(weights))  # warm-up
+    awake = used()
+    engine.release()
+    asleep = used()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.version = 1
+    engine.load_weights(iter(weights))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    update_s = time.perf_counter() - t
+    engine.close()
+    print(json.dumps({"awake_gib": awake, "asleep_gib": asleep, "update_s": update_s}), flush=True)
+    dist.exit_now(0)
+
+
+if args.vllm_memory:
+    vllm_memory(args.vllm_memory)
 gpu = not args.cpu_smoke
 device = "cuda" if gpu else "cpu"
 shape = (dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -91,3 +135,50 @@ print(f"| {'train step s (median, 128 seqs)':<34} | {train_s:12.3f} |")
 print(f"| {'train-step MFU':<34} | {train_flops / train_s / roof:12.2%} |")
 print(f"| {'generate s in the GRPO step':<34} | {gen_s:12.3f} |")
 print(f"| {'peak memory GiB (GPU; RSS on CPU)':<34} | {peak:12.2f} |")
+
+
+# vLLM (issue 18): colocate GRPO steps on a vLLM engine, its memory awake and asleep, and nccl when it can
+import importlib.util  # noqa: E402
+
+if importlib.util.find_spec("vllm") is None:
+    print("\nvLLM: not installed here, skipped (pip install -r requirements-vllm-gpu.txt)")
+    sys.exit(0)
+vrun = os.path.join(path, "vrun")
+vcmd = [c if c != "native" else "vllm" for c in cmd]
+vcmd[vcmd.index("--run-dir") + 1] = vrun
+p = subprocess.run(vcmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+if p.returncode:
+    sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
+vrows = [r for r in map(json.loads, open(os.path.join(vrun, "metrics.jsonl"))) if not r.get("final")][1:]
+med = lambda key: sorted(r[key] for r in vrows)[len(vrows) // 2]  # noqa: E731
+p = subprocess.run([sys.executable, os.path.abspath(__file__), "--vllm-memory", path], cwd=ROOT,
+                   capture_output=True, text=True, timeout=300)
+if p.returncode:
+    sys.exit(p.stderr[-4000:])
+mem = json.loads(p.stdout.strip().splitlines()[-1])
+print(f"\nvLLM, colocate (inproc weight transfer{', sleep level 2 while training' if gpu else ''})")
+print(f"| {'figure':<44} | {'value':>12} |\n|{'-' * 46}|{'-' * 14}|")
+gap_max = max(r["train/logprob_gap_max"] for r in vrows)
+print(f"| {'train/logprob_gap_max (bf16, worst step)':<44} | {gap_max:12.4f} |")
+print(f"| {'train/logprob_gap_mean (median step)':<44} | {med('train/logprob_gap_mean'):12.5f} |")
+print(f"| {'weight update s in the step (perf/sync_s)':<44} | {med('perf/sync_s'):12.3f} |")
+print(f"| {'generate s in the GRPO step':<44} | {med('perf/generate_s'):12.3f} |")
+print(f"| {'one update alone s (wake + transfer)':<44} | {mem['update_s']:12.3f} |")
+print(f"| {'device GiB in use, engine awake':<44} | {mem['awake_gib']:12.2f} |")
+print(f"| {'device GiB in use, engine asleep':<44} | {mem['asleep_gib']:12.2f} |")
+if not gpu or torch.cuda.device_count() < 2:
+    print(f"\nvLLM's nccl backend (disaggregate) needs two GPUs (NCCL refuses two ranks on one device); "
+          f"this machine has {torch.cuda.device_count() if gpu else 0}: not run")
+else:
+    drun = os.path.join(path, "drun")
+    one = vcmd.index("--nproc-per-node=1")
+    dcmd = [*vcmd[:one], "--nproc-per-node=2", *vcmd[one + 1:], "--placement", "disaggregate",
+            "--rollout-ranks", "1"]
+    dcmd[dcmd.index("--run-dir") + 1] = drun
+    p = subprocess.run(dcmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    if p.returncode:
+        sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
+    drows = [r for r in map(json.loads, open(os.path.join(drun, "metrics.jsonl"))) if not r.get("final")][1:]
+    sync_s = sorted(r["perf/sync_s"] for r in drows)[len(drows) // 2]
+    print(f"\nvLLM, disaggregate over nccl: perf/sync_s {sync_s:.3f}, "
+          f"train/logprob_gap_max {max(r['train/logprob_gap_max'] for r in drows):.4f}")

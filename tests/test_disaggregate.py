@@ -155,15 +155,18 @@ def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
 def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
     """Preemption: every worker gets SIGTERM. The rollout rank keeps serving, the trainers save
     their checkpoint at the step they stopped, collect the requests sent ahead and tell the
-    rollout rank to stop: the job ends cleanly (vLLM's engine process included)."""
+    rollout rank to stop: the job ends cleanly (vLLM's engine process included). native: 2
+    trainers, staleness 1. vllm: 1 trainer, on-policy, the weights going into vLLM's worker over
+    our gloo transfer after every step, so its log-probs stay the policy's."""
     from test_checkpoint import workers
 
     from utils import checkpoint
 
     run = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "train_grpo.py",
-           *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", "1", "--save-every", "0",
-           "--run-dir", run, "--engine", engine]
+    ranks, ahead = ("3", "1") if engine == "native" else ("2", "0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", ahead,
+           "--save-every", "0", "--run-dir", run, "--engine", engine]
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -178,3 +181,8 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
         p.kill()
     path, _ = checkpoint.find(run)
     assert path is not None and int(os.path.basename(path).split("_")[1]) == len(metrics(run)) < 200
+    if engine == "vllm":
+        rows = metrics(run)
+        assert rows[0]["train/rows_trained"] > 0  # the policy moved after step 1: a stale engine would show
+        for r in rows[1:]:
+            assert 0 <= r["train/logprob_gap_mean"] <= r["train/logprob_gap_max"] < 1e-3

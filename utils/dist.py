@@ -241,17 +241,26 @@ def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
         raise RuntimeError("the weight stream has more tensors than the bucket plan")
 
 
-def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
+def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict | None):
     """Receiver side: yields (name, full tensor) as soon as its last piece has arrived, so the
-    engine loads bucket by bucket while the next bucket is being received (two buffers). The
-    tensors are views of a buffer that is reused two buckets later: copy each before asking
-    for the next. A tensor spanning buckets is assembled in its own memory."""
-    bufs, partial, post = _buffers(bufs, buckets, device), {}, _poster(src, group)
-    receive = lambda i: post(bufs[buckets[i][0]][i % 2][:buckets[i][1]])  # noqa: E731
+    engine loads bucket by bucket while the next bucket is being received (two in flight). With
+    `bufs`, the tensors are views of a buffer that is reused two buckets later: copy each before
+    asking for the next. bufs=None: each bucket lands in memory of its own, so the tensors stay
+    valid for a consumer that keeps them (vLLM's layerwise reload) without a copy. A tensor
+    spanning buckets is assembled in its own memory."""
+    fresh, partial, post, landing = bufs is None, {}, _poster(src, group), {}
+    if not fresh:
+        bufs = _buffers(bufs, buckets, device)
+
+    def receive(i):
+        dtype, numel, _ = buckets[i]
+        landing[i] = torch.empty(numel, dtype=dtype, device=device) if fresh else bufs[dtype][i % 2][:numel]
+        return post(landing[i])
+
     works = [receive(i) for i in range(min(2, len(buckets)))]
     for i, (dtype, numel, pieces) in enumerate(buckets):
         works[i].wait()
-        buf, off = bufs[dtype][i % 2][:numel], 0
+        buf, off = landing.pop(i), 0
         for name, start, stop in pieces:
             total, chunk = math.prod(shapes[name]), buf[off:off + stop - start]
             off += stop - start
@@ -263,7 +272,7 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs: dict):
             if stop == total:
                 yield name, partial.pop(name).view(shapes[name])
         if i + 2 < len(buckets):
-            works.append(receive(i + 2))  # into this bucket's buffer: its tensors have been copied out
+            works.append(receive(i + 2))  # reusing: into this bucket's buffer, its tensors copied out
 
 
 # ---- messages between roles (disaggregate): pickled objects over point-to-point send/recv ----

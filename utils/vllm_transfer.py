@@ -78,8 +78,8 @@ def update_info(specs) -> dict:
 class _Layerwise(WeightTransferEngine):
     """Checkpoint-format weights through vLLM's layerwise reload, as its nccl engine loads them:
     each layer is re-processed (on CPU: its weights re-packed for the GEMM) once all of its
-    weights have arrived. The reload holds on to the loaded tensors until then, so each is
-    copied as it comes (a received bucket, or a gathered block, is reused for the next)."""
+    weights have arrived. The reload holds on to the loaded tensors until then, so a tensor
+    whose memory is reused for the next (a gathered FSDP block) is copied as it comes."""
 
     def start_weight_update(self):
         initialize_layerwise_reload(self.model)
@@ -94,9 +94,9 @@ class _Layerwise(WeightTransferEngine):
             head = self.model.lm_head
             head.quant_method.process_weights_after_loading(head)
 
-    def load(self, weights):
+    def load(self, weights, copy: bool = True):
         for name, tensor in weights:
-            self.model.load_weights([(name, tensor.clone())])
+            self.model.load_weights([(name, tensor.clone() if copy else tensor)])
 
 
 @dataclass
@@ -120,7 +120,7 @@ class GlooWorkerEngine(_Layerwise):
     init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, info: GlooInitInfo):
-        self.info, self.bufs = info, {}  # bucket buffers, kept across updates (utils/dist.py)
+        self.info = info
         rank = info.rank_offset + self.parallel_config.rank
         self.group = dist.OwnGroup.connect(info.master_address, info.master_port, rank, info.world_size,
                                            info.timeout_s)
@@ -132,7 +132,8 @@ class GlooWorkerEngine(_Layerwise):
         buckets = dist.plan_buckets(specs, self.info.bucket_bytes)
         shapes = {name: shape for name, shape, _ in specs}
         try:
-            self.load(dist.receive_buckets(buckets, shapes, 0, self.group, self.device, self.bufs))
+            # each bucket in memory of its own, which the reload may keep (no copy)
+            self.load(dist.receive_buckets(buckets, shapes, 0, self.group, self.device, None), copy=False)
         except RuntimeError as e:
             raise RuntimeError(f"trainer 0's weight broadcast broke off (the trainer died or hung): "
                                f"{str(e)[:200]}") from e
