@@ -23,6 +23,8 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**base))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**base))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base))
     with torch.no_grad():  # HF starts norms at 1 and biases at 0: randomise them so that tests see them

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -10,12 +11,20 @@ from conftest import hf_checkpoint
 from utils.model import (ModelConfig, attention_mask, build, iter_checkpoint, load_model, positions_from,
                          read_config, save_model)
 
+# Llama 3.1's RoPE scaling with a short original context, so that the 16 frequencies of a 32-dim
+# head fall in all three bands (kept, interpolated, stretched)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
 CONFIGS = [  # (arch, overrides): GQA ratios, tied/untied, bias on/off, rope theta
     ("qwen2", dict(tie_word_embeddings=True)),
     ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6)),
     ("qwen2", dict(num_key_value_heads=1, head_dim=64, rope_theta=500.0)),
     ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False)),
     ("llama", dict(attention_bias=True, tie_word_embeddings=True, rope_theta=1e5)),
+    ("llama", dict(rope_parameters=LLAMA3, tie_word_embeddings=False)),
+    ("qwen3", dict(tie_word_embeddings=True)),  # per-head q/k RMSNorm, no bias
+    ("qwen3", dict(num_key_value_heads=1, head_dim=64, attention_bias=True, tie_word_embeddings=False)),
 ]
 
 
@@ -32,9 +41,14 @@ def test_logits_match_transformers(tmp_path, arch, kw):
         assert rel_err(ours(x), ref(x).logits) < 1e-5
 
 
-def test_padded_batch_matches_transformers(tiny_hf):
+@pytest.mark.parametrize("model", ["qwen2", "llama3", "qwen3"])
+def test_padded_batch_matches_transformers(tiny_hf, tmp_path, model):
     """Left-padded prompts (the training and generation layout) against HF's attention_mask."""
     path, ref = tiny_hf
+    if model == "llama3":
+        path, ref = str(tmp_path), hf_checkpoint(str(tmp_path), "llama", rope_parameters=LLAMA3)
+    if model == "qwen3":
+        path, ref = str(tmp_path), hf_checkpoint(str(tmp_path), "qwen3")
     ours = load_model(path)
     x = torch.randint(0, 512, (3, 12))
     valid = torch.ones(3, 12, dtype=torch.bool)
@@ -58,12 +72,16 @@ def test_save_load_roundtrip_bit_exact(tmp_path):
     assert dataclasses.replace(read_config(str(tmp_path)), extra={}) == cfg
 
 
-@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "LlamaForCausalLM"])
-def test_our_checkpoint_loads_in_transformers(tmp_path, arch):
+@pytest.mark.parametrize("arch,llama3", [("Qwen2ForCausalLM", False), ("LlamaForCausalLM", False),
+                                         ("LlamaForCausalLM", True), ("Qwen3ForCausalLM", False)])
+def test_our_checkpoint_loads_in_transformers(tmp_path, arch, llama3):
     import transformers
 
+    from utils.model import LLAMA3_ROPE
+
     cfg = ModelConfig(architecture=arch, attention_bias=arch.startswith("Qwen2"), num_hidden_layers=2,
-                      tie_word_embeddings=arch.startswith("Qwen2"), rope_theta=20000.0)
+                      tie_word_embeddings=arch.startswith("Qwen2"), rope_theta=20000.0,
+                      rope_llama3={k: LLAMA3[k] for k in LLAMA3_ROPE} if llama3 else None)
     model = build(cfg)
     model.init_weights(seed=1)
     save_model(model, cfg, str(tmp_path))
@@ -113,3 +131,42 @@ def test_wrong_shape_checkpoint_is_a_clear_error(tmp_path):
     from utils.model import load_state
     with pytest.raises(ValueError, match="shape mismatch for model.layers.0.mlp"):
         load_state(build(cfg), iter_checkpoint(str(tmp_path)))
+
+
+def test_llama3_rope_frequencies_equal_a_loop_over_dimensions():
+    """utils.model.rope_frequencies against Llama 3.1's rule written per frequency."""
+    import math
+
+    from utils.model import rope_frequencies
+
+    scaling = {k: LLAMA3[k] for k in LLAMA3 if k not in ("rope_type", "rope_theta")}
+    got = rope_frequencies(32, 10000.0, scaling)
+    bands = set()
+    for i in range(16):
+        inv = 1.0 / 10000.0 ** (2 * i / 32)
+        wavelen = 2 * math.pi / inv
+        if wavelen < 64 / 4:  # shorter than original / high_freq_factor: kept
+            want, band = inv, "kept"
+        elif wavelen > 64 / 1:  # longer than original / low_freq_factor: stretched by the factor
+            want, band = inv / 8, "stretched"
+        else:
+            smooth = (64 / wavelen - 1) / (4 - 1)
+            want, band = (1 - smooth) * inv / 8 + smooth * inv, "between"
+        bands.add(band)
+        assert abs(got[i].item() - want) <= 1e-6 * want
+    assert bands == {"kept", "between", "stretched"}
+
+
+@pytest.mark.parametrize("rope,says", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn'"),
+    ({"rope_type": "llama3", "factor": 8.0}, "without ['low_freq_factor'"),
+])
+def test_an_unsupported_rope_is_refused_naming_the_key(tmp_path, rope, says):
+    hf_checkpoint(str(tmp_path), "llama")
+    with open(tmp_path / "config.json") as f:
+        d = json.load(f)
+    d["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        read_config(str(tmp_path))

@@ -34,6 +34,8 @@ def hf_reward_model(path, arch="qwen2", seed=0, num_labels=1, **kw):
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = transformers.Qwen2ForSequenceClassification(transformers.Qwen2Config(**base))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(**base))
     else:
         model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**base))
     with torch.no_grad():  # HF starts norms at 1, biases at 0 and the head near 0
@@ -68,8 +70,14 @@ def hf_scores(ref, batch):
     return out.logits[:, 0]  # [N]
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize("arch,kw", [("qwen2", {}),
-                                     ("llama", {"num_key_value_heads": 1, "attention_bias": True})])
+                                     ("llama", {"num_key_value_heads": 1, "attention_bias": True}),
+                                     ("llama", {"rope_parameters": LLAMA3}),
+                                     ("qwen3", {})])
 def test_scores_match_transformers(tmp_path, arch, kw):
     ref = hf_reward_model(str(tmp_path), arch, **kw)
     ours = load_model(str(tmp_path))

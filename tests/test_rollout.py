@@ -22,12 +22,19 @@ def prompts(tok, k=6):
     return ps
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "llama3", "qwen3"])
 def decode_model(request, tiny_hf, tmp_path_factory):
-    """(path, transformers model): the untied Qwen2 (q/k/v bias) and a tied Llama with o_proj bias."""
+    """(path, transformers model): the untied Qwen2 (q/k/v bias), a tied Llama with o_proj bias, a
+    Llama with Llama 3.1's RoPE scaling (tests/test_model.py LLAMA3) and a Qwen3 (per-head q/k norm)."""
     if request.param == "qwen2":
         return tiny_hf
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    path = str(tmp_path_factory.mktemp("tiny-" + request.param))
+    if request.param == "llama3":
+        from test_model import LLAMA3
+
+        return path, hf_checkpoint(path, arch="llama", rope_parameters=LLAMA3)
+    if request.param == "qwen3":
+        return path, hf_checkpoint(path, arch="qwen3")
     return path, hf_checkpoint(path, arch="llama", attention_bias=True, tie_word_embeddings=True)
 
 

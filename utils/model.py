@@ -1,4 +1,6 @@
-"""A Qwen2 / Llama decoder in plain torch, with HF safetensors load and save.
+"""A Qwen2 / Qwen3 / Llama decoder in plain torch, with HF safetensors load and save. Qwen3 adds
+an RMSNorm over each head's queries and keys before RoPE; Llama 3.x's RoPE scaling is
+`rope_frequencies`.
 
 The same decoder with a `score` head instead of `lm_head` is HF's `...ForSequenceClassification`
 (a reward model, or with one label the critic's value model): `Transformer.forward` then
@@ -10,6 +12,7 @@ rename table. The model is built on the meta device and materialised with
 `to_empty` (torchtitan's pattern), so FSDP2 can shard it before any full copy exists.
 """
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -22,8 +25,10 @@ from torch import nn
 from utils.data import read_json
 from utils.errors import UserError
 
-SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-             "Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceClassification": "llama"}
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+             "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
+             "LlamaForSequenceClassification": "llama"}
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -39,6 +44,7 @@ class ModelConfig:
     head_dim: int = 32
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_llama3: dict | None = None  # Llama 3.x's RoPE scaling (rope_type llama3): the LLAMA3_ROPE keys
     attention_bias: bool = True  # Qwen2 has q/k/v bias, Llama usually not
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 2048
@@ -51,15 +57,23 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
-        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(d.get("model_type"))
+        by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+        arch = archs[0] if archs else by_type.get(d.get("model_type"))
         if arch not in SUPPORTED:
             raise UserError(
                 f"unsupported architecture {arch or d.get('model_type')!r} in config.json; "
-                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Llama)")
+                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Qwen3 / Llama)")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UserError(f"rope type {rope_type!r} is not supported (only plain RoPE with a theta)")
+        llama3 = None
+        if rope_type == "llama3":
+            missing = [k for k in LLAMA3_ROPE if k not in rope]
+            if missing:
+                raise UserError(f"config.json: rope_type 'llama3' without {missing} in rope_parameters")
+            llama3 = {k: rope[k] for k in LLAMA3_ROPE}
+        elif rope_type != "default":
+            raise UserError(f"config.json: rope_type {rope_type!r} (in rope_parameters / rope_scaling) is "
+                            "not supported; supported: default (plain RoPE with a theta) and llama3")
         if d.get("use_sliding_window"):
             raise UserError("sliding-window attention is not supported; set use_sliding_window false")
         if d.get("mlp_bias"):
@@ -71,7 +85,8 @@ class ModelConfig:
         elif arch.endswith("ForSequenceClassification"):
             # transformers leaves id2label out of config.json for its default, 2 labels
             num_labels = d.get("num_labels") or 2
-        known = {f for f in cls.__dataclass_fields__} | {"architectures", "rope_parameters", "model_type"}
+        known = {f for f in cls.__dataclass_fields__} | {"architectures", "rope_parameters", "model_type",
+                                                       "rope_scaling"}
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -83,6 +98,7 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            rope_llama3=llama3,
             attention_bias=True if arch.startswith("Qwen2") else bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
@@ -92,6 +108,16 @@ class ModelConfig:
             num_labels=num_labels,
             extra={k: v for k, v in d.items() if k not in known},
         )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each head's queries and keys, before RoPE."""
+        return self.architecture.startswith("Qwen3")
+
+    @property
+    def o_bias(self) -> bool:
+        """attention_bias covers o_proj too in Llama and Qwen3; Qwen2's q/k/v bias does not."""
+        return self.attention_bias and not self.architecture.startswith("Qwen2")
 
     def to_hf(self) -> dict:
         d = dict(self.extra)
@@ -107,6 +133,9 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
         )
+        if self.rope_llama3:
+            d["rope_parameters"] = {"rope_type": "llama3", "rope_theta": self.rope_theta, **self.rope_llama3}
+            d["rope_scaling"] = d["rope_parameters"]  # older transformers / vLLM read it here
         if self.pad_token_id is not None:
             d["pad_token_id"] = self.pad_token_id
         if self.scores:
@@ -114,6 +143,8 @@ class ModelConfig:
             d.update(id2label=labels, label2id={v: int(k) for k, v in labels.items()})
         if self.architecture.startswith("Llama"):
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
+        elif self.qk_norm:
+            d.update(attention_bias=self.attention_bias, use_sliding_window=False)
         elif not self.attention_bias:
             raise UserError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
         return d
@@ -132,13 +163,28 @@ class ModelConfig:
     def num_params(self, embeddings: bool = True) -> int:
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
-        llama = self.architecture.startswith("Llama")  # Llama's attention_bias covers o_proj too
-        bias = (q + 2 * kv + (h if llama else 0)) if self.attention_bias else 0
-        attn = h * q + 2 * h * kv + q * h + bias
+        bias = (q + 2 * kv + (h if self.o_bias else 0)) if self.attention_bias else 0
+        attn = h * q + 2 * h * kv + q * h + bias + (2 * self.head_dim if self.qk_norm else 0)
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings or self.scores else 2)
         head = h * self.num_labels if self.scores else 0
         return self.num_hidden_layers * layer + h + head + (emb if embeddings else 0)
+
+
+def rope_frequencies(head_dim: int, theta: float, llama3: dict | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies -> [D/2]. llama3: Llama 3.1's scaling (Meta's release, as
+    transformers' `rope_type: llama3`): wavelengths longer than original_len / low_freq_factor are
+    stretched by `factor`, those shorter than original_len / high_freq_factor kept, and those
+    between interpolated linearly in original_len / wavelength."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [D/2]
+    if not llama3:
+        return inv
+    factor, low, high, original = (llama3[k] for k in LLAMA3_ROPE)
+    wavelen = 2 * math.pi / inv  # [D/2]
+    smooth = (original / wavelen - low) / (high - low)  # [D/2], 0 at the long edge, 1 at the short
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    out = torch.where(wavelen > original / low, inv / factor, inv)  # [D/2]
+    return torch.where(medium, (1 - smooth) * inv / factor + smooth * inv, out)  # [D/2]
 
 
 class RMSNorm(nn.Module):
@@ -167,14 +213,19 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not
-        llama = cfg.architecture.startswith("Llama")
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias and llama)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache, layer: int):
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, KV, S, D]
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
+        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)  # [B, S, KV, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D], [B, KV, S, D]
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, KV, S, D]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -251,9 +302,9 @@ class Transformer(nn.Module):
 
     def init_buffers(self):
         """Fill the non-persistent RoPE buffer (it is garbage after `to_empty`)."""
-        d = self.config.head_dim
+        c = self.config
         with torch.no_grad():
-            self.inv_freq.copy_(1.0 / self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            self.inv_freq.copy_(rope_frequencies(c.head_dim, c.rope_theta, c.rope_llama3))
 
     def init_weights(self, seed: int = 0, std: float = 0.02):
         """Random init (for tests and fresh models), deterministic in `seed` whatever the device."""
