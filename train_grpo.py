@@ -37,7 +37,7 @@ from utils.data import (BUILTIN, PromptStream, Tokenizer, dataset_columns, eval_
 from utils.engines import SamplingParams, Samples, make_engine
 from utils.errors import UserError
 from utils.logger import Logger, Timer
-from utils.model import check_checkpoint, read_config
+from utils.model import check_checkpoint, local_dir, read_config
 from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
@@ -50,7 +50,8 @@ DS_INITIAL_EMA, DS_DECAY, DS_MAX_RATIO = 1.0, 0.9, 10.0
 @dataclass
 class Args:
     model: str = "assets/arith-tiny"
-    """local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"""
+    """Hugging Face checkpoint: a local directory (config.json, *.safetensors, tokenizer.json) or a hub id
+    (ORG/NAME, downloaded into the hub's cache; needs the network)"""
     dataset: str = BUILTIN
     """'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id"""
     prompt_column: str = "prompt"
@@ -308,6 +309,12 @@ def check_args(args: Args, world: int):
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
                         f"trainer rank trains per step: use a divisor of {rows}")
+    # hub ids (ORG/NAME) become their downloaded snapshot (computed at runtime)
+    args.model = local_dir(args.model)
+    if args.reward_model:
+        args.reward_model = local_dir(args.reward_model, "--reward-model")
+    if args.judge_model:
+        args.judge_model = local_dir(args.judge_model, "--judge-model")
     try:
         read_config(args.model)
         Tokenizer(args.model)

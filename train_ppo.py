@@ -43,7 +43,7 @@ from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_r
 from utils.engines import SamplingParams, make_engine
 from utils.errors import UserError
 from utils.logger import Logger, Timer
-from utils.model import check_checkpoint, read_config
+from utils.model import check_checkpoint, local_dir, read_config
 from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
@@ -52,7 +52,8 @@ MAX = torch.distributed.ReduceOp.MAX
 @dataclass
 class Args:
     model: str = "assets/arith-tiny"
-    """local Hugging Face checkpoint directory of the policy (config.json, *.safetensors, tokenizer.json)"""
+    """the policy's Hugging Face checkpoint: a local directory (config.json, *.safetensors,
+    tokenizer.json) or a hub id (ORG/NAME, downloaded into the hub's cache; needs the network)"""
     dataset: str = BUILTIN
     """'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id"""
     prompt_column: str = "prompt"
@@ -240,6 +241,12 @@ def check_args(args: Args, world: int):
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
                         f"trainer rank trains per step: use a divisor of {rows}")
+    # hub ids (ORG/NAME) become their downloaded snapshot (computed at runtime)
+    args.model = local_dir(args.model)
+    if args.critic_model:
+        args.critic_model = local_dir(args.critic_model, "--critic-model")
+    if args.reward_model:
+        args.reward_model = local_dir(args.reward_model, "--reward-model")
     for flag, path in (("model", args.model), ("critic_model", args.critic_model)):
         if path is None:
             continue

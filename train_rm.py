@@ -24,7 +24,7 @@ from utils import dist, errors
 from utils.algos import bradley_terry_loss
 from utils.data import BUILTIN, Tokenizer, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
 from utils.errors import UserError
-from utils.model import check_checkpoint, read_config, save_model, sequence_scores
+from utils.model import check_checkpoint, local_dir, read_config, save_model, sequence_scores
 
 
 @dataclass
@@ -94,6 +94,8 @@ def check_args(args: Args, world: int):
     for flag, holds, use in rules:
         if not holds:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use {use}")
+    # hub ids (ORG/NAME) become their downloaded snapshot (computed at runtime)
+    args.model = local_dir(args.model)
     try:
         read_config(args.model)
         Tokenizer(args.model)

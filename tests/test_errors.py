@@ -75,6 +75,8 @@ CASES = [  # (flags, what the error line must say)
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
+    (["--model", "Qwen/Qwen3-0.6B"], "--model Qwen/Qwen3-0.6B: no such local directory, and downloading it from "
+     "the Hugging Face hub failed (LocalEntryNotFoundError); without the network, pass a local checkpoint"),
     # data, after the process group
     (["--dataset", "{tmp}/bad.jsonl", "--eval-every", "0"], "bad.jsonl' line 2: not valid JSON"),
     (["--dataset", "{tmp}/int_prompt.jsonl", "--eval-every", "0"], "int_prompt.jsonl' row 1: column 'prompt'"),
@@ -121,7 +123,7 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            script, *(TINY if script == "train_grpo.py" else PPO_TINY), "--run-dir", str(tmp_path / "run"), *flags]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # tests never download
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-2000:]
     lines = [line for line in out.splitlines() if line.startswith("error:")]

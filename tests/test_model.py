@@ -170,3 +170,24 @@ def test_an_unsupported_rope_is_refused_naming_the_key(tmp_path, rope, says):
         json.dump(d, f)
     with pytest.raises(ValueError, match=re.escape(says)):
         read_config(str(tmp_path))
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path, monkeypatch):
+    """--model ORG/NAME: huggingface_hub's snapshot, here from a cache laid out as the hub lays it out
+    (offline: no test uses the network); a local path stays as it is."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from utils.model import local_dir
+
+    snapshot = tmp_path / "models--test--tiny" / "snapshots" / "abc123"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "assets", "arith-tiny"), snapshot)
+    (tmp_path / "models--test--tiny" / "refs").mkdir()
+    (tmp_path / "models--test--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    path = local_dir("test/tiny")
+    assert os.path.samefile(path, snapshot)
+    assert read_config(path).architecture == "Qwen2ForCausalLM"
+    assert local_dir("assets/arith-tiny") == "assets/arith-tiny"

@@ -391,6 +391,26 @@ def positions_from(valid):
 
 # ---------------------------------------------------------------- HF checkpoint directories
 
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer
+
+
+def local_dir(path: str, flag: str = "--model") -> str:
+    """A checkpoint directory: `path` itself, or, for a hub id (ORG/NAME) that is no local path,
+    its snapshot in the Hugging Face cache (downloaded with huggingface_hub: config, weights and
+    tokenizer files only). Without the network, one error that says to pass a local directory."""
+    parts = path.split("/")
+    if os.path.exists(path) or len(parts) != 2 or not all(parts) or path.startswith((".", "~")):
+        return path  # a local path (read_config says what is missing)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline, unknown id, no access: the same advice
+        raise UserError(f"{flag} {path}: no such local directory, and downloading it from the Hugging Face "
+                        f"hub failed ({type(e).__name__}); without the network, pass a local checkpoint "
+                        "directory (config.json, *.safetensors, tokenizer.json)") from None
+
+
 def read_config(path: str) -> ModelConfig:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
