@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from roles.rollout import RemoteEngine
+from roles.rollout import RemoteEngine, leave
 from utils.engines import Engine
 from utils.errors import UserError
 
@@ -227,6 +227,17 @@ def _agree_on_transfer(plan: Plan, engine, specs, bucket_bytes: int):
     ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
     if plan.role == "trainer" and plan.rank != 0:
         return  # only trainer 0 sends weights
+    try:
+        _open_transfer(plan, engine, specs, bucket_bytes)
+    except RuntimeError as e:
+        if plan.role == "rollout":  # trainer 0 stopped (on a mistake it reports, or it died): nothing to add
+            leave(engine, f"rollout rank {plan.rank}: trainer 0 went away before the first weights; stopping")
+        raise RuntimeError(f"the rollout ranks stopped answering while the weight transfer was set up: one "
+                           f"died or hung (see its output above); the last checkpoint is intact "
+                           f"({str(e)[:200]})") from e
+
+
+def _open_transfer(plan: Plan, engine, specs, bucket_bytes: int):
     said = [getattr(engine, "backend", None)]  # a rollout rank's vLLM engine names its backend
     dist.broadcast_object_list(said, src=plan.layout.dp, group=plan.weight_group)
     if said[0] is None:
