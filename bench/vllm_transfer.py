@@ -14,7 +14,6 @@ random model (bench/weight_sync.py's shape):
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from common import peak_rss_mib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils import dist  # noqa: E402
@@ -41,10 +41,6 @@ ap.add_argument("--port", type=int, default=0)
 ap.add_argument("--bucket", type=int, default=0)
 a, _ = ap.parse_known_args()  # known: spawned children of vLLM's see other arguments
 med = statistics.median
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def changed(weights, k):

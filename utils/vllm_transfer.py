@@ -26,6 +26,7 @@ Ours are added by `register`, which vLLM calls in each process it starts through
 requirements-vllm-*.txt), and which VLLMEngine calls in this one.
 """
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,21 +207,18 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 
 class GlooTrainerEngine(TrainerWeightTransferEngine):
-    """Trainer 0 broadcasts the source in buckets over the group, while the client has the
-    workers receive (on a thread: in one process both sides block in the same broadcasts)."""
+    """Trainer 0 (the only trainer rank that makes one) broadcasts the source in buckets over the
+    group, while the client has the workers receive (on a thread: in one process both sides block
+    in the same broadcasts)."""
     init_info_cls = GlooTrainerInitInfo
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.group, engine.bucket_bytes, engine.bufs = init_info.group, init_info.bucket_bytes, {}
-        if engine.is_sender:
-            engine.group.join()
+        engine = cls(client=client, source=source)
+        engine.group, engine.bucket_bytes, engine.bufs = init_info.group.join(), init_info.bucket_bytes, {}
         return engine
 
     def send_weights(self):
-        from concurrent.futures import ThreadPoolExecutor
-
         specs = [(m.name, m.shape, m.dtype) for m in self.source.metadata()]
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
@@ -235,8 +233,8 @@ class GlooTrainerEngine(TrainerWeightTransferEngine):
 
 
 class TrainerEnd:
-    """Trainer 0's end of the transfer group: `open` picks the rendezvous port (sent to the
-    rollout ranks, which then join with `worker_info`), `connect` waits for them, `send`
+    """Trainer 0's end of the transfer group: made, it has picked the rendezvous port (sent to
+    the rollout ranks, which then join with `worker_info`); `connect` waits for them, `send`
     broadcasts one sync's (name, tensor) stream."""
 
     def __init__(self, backend: str, specs, rollout_ranks: int, bucket_bytes: int, timeout_s: float):
