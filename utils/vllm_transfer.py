@@ -270,7 +270,11 @@ class TrainerEnd:
 
     def send(self, weights):
         self.source.stream = weights
-        self.engine.send_weights()
+        try:
+            self.engine.send_weights()
+        except RuntimeError as e:  # gloo's own words vary (reset, closed by peer): say it once
+            raise RuntimeError(f"the weight broadcast to the rollout engines broke off (a rollout rank "
+                               f"died or hung): {str(e)[:200]}") from e
 
 
 def inproc_update(weights) -> dict:
