@@ -6,11 +6,13 @@ names it and says what to change. `install` makes such an error end the process 
     error: <the message>
 
 printed once (by rank 0 of a torchrun job; the other ranks, which meet the same mistake, exit
-quietly) and exit code 2; a mistake that only another rank met is said by that rank. Any
-other exception is a bug and keeps its traceback. RL_DEBUG=1 brings tracebacks back for user
+quietly) and exit code 2; a mistake that only another rank met is said by that rank. A rank
+whose peer went away (a collective that broke off: `lost_peer`) says so in one line too, exit
+code 1. Any other exception is a bug and keeps its traceback. RL_DEBUG=1 brings tracebacks back for user
 errors too.
 """
 import os
+import re
 import signal
 from contextlib import redirect_stderr, redirect_stdout
 import sys
@@ -57,6 +59,16 @@ def wait_for_rank_0():
     time.sleep(WAIT_S)
 
 
+def lost_peer(error: BaseException) -> bool:
+    """A collective or store call that failed because the other side went away, not a bug here:
+    gloo's own transport errors (connection reset or closed, timeouts; ours, which quote them,
+    keep their words) and torch's DistError family."""
+    import torch.distributed as dist
+
+    gloo = isinstance(error, RuntimeError) and re.match(r"\[[^\]]*gloo/transport", str(error))
+    return isinstance(error, dist.DistError) or bool(gloo)
+
+
 def _report(kind, error, tb):
     # to the real stderr: torch.distributed wraps this hook with one that buffers sys.stderr
     # (to prefix each line with the rank) and would lose what is written before os._exit
@@ -66,6 +78,12 @@ def _report(kind, error, tb):
         if rank == 0:
             print("interrupted", file=stderr, flush=True)
         os._exit(130)
+    if lost_peer(error) and os.environ.get("RL_DEBUG") != "1":
+        print(f"error: (rank {rank}) another rank stopped answering in a collective: it died, its node went "
+              f"away, or it hung longer than --timeout-s (see its output, or its node's). The newest "
+              f"complete checkpoint in --run-dir is intact: --resume auto goes on from it. ({str(error)[:160]})",
+              file=stderr, flush=True)
+        os._exit(1)
     if not issubclass(kind, UserError) or os.environ.get("RL_DEBUG") == "1":
         for line in "".join(traceback.format_exception(kind, error, tb)).splitlines():
             print(f"[rank{rank}]: {line}", file=stderr)
