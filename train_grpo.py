@@ -31,7 +31,7 @@ from roles import reward_model
 from roles.reward import Reward
 from roles.reward_model import RewardModel
 from roles.rollout import sample_and_stream, serve
-from utils import algos, checkpoint, dist, errors
+from utils import algos, checkpoint, dist, errors, memory
 from utils.data import (BUILTIN, PromptStream, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
                         micro_batches, per_sample, prompt_seed, step_prompts, tokenize_rows)
 from utils.engines import SamplingParams, Samples, make_engine
@@ -604,7 +604,8 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         **maxes, **sync, "gen_s": seconds["generate"], "judge_s": judge_s,
         "rollout_judge_s": seconds["generate"] + judge_s, "ref_s": seconds.get("reference", 0.0),
         "rm_s": seconds.get("reward_model", 0.0), "old_logp_s": seconds.get("old_logp", 0.0),
-        "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device), "step_s": step_s,
+        "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device),
+        "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s,
         "staleness": staleness})
     if plan.rank != 0:
         return
@@ -630,6 +631,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "perf/train_s": peak["train_s"],
         "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
+        "perf/peak_mem_added_gib": peak["mem_added_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
     if args.judge_model:  # the judge: verdicts that did not parse (they count 0), and its time
         metrics.update({
@@ -692,6 +694,10 @@ if __name__ == "__main__":
         eval_rows = tokenize_rows(test_rows, tok, args.max_prompt_tokens)[0][:args.eval_prompts]
 
     # roles
+    dist.mark_memory_start(device)  # what the models and steps add is measured from here
+    if rank == 0:
+        print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
+                             max(len(r["ids"]) for r in rows), len(eval_rows)), flush=True)
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size,
                   decay_steps=args.steps if args.lr_schedule == "linear" else 0)

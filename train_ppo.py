@@ -37,7 +37,7 @@ from roles.reference import Reference
 from roles.reward import Reward
 from roles.reward_model import RewardModel
 from roles.rollout import serve
-from utils import algos, checkpoint, dist, errors
+from utils import algos, checkpoint, dist, errors, memory
 from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
                         micro_batches, per_sample, prompt_seed, step_prompts, tokenize_rows)
 from utils.engines import SamplingParams, make_engine
@@ -359,7 +359,8 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
         "rm_s": seconds.get("reward_model", 0.0), "values_s": seconds["values"],
         "train_s": seconds["train"], "critic_s": seconds["critic_train"],
-        "mem_gib": dist.peak_memory_gib(plan.device), "step_s": step_s, "staleness": staleness})
+        "mem_gib": dist.peak_memory_gib(plan.device),
+        "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
     if plan.rank != 0:
         return
     N, dp = total["completions"], plan.dp
@@ -391,6 +392,7 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "perf/critic_train_s": peak["critic_s"], "perf/sync_s": peak["sync_s"],
         "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
+        "perf/peak_mem_added_gib": peak["mem_added_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
     for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
         metrics[f"placement/{role}_s"] = total[role] / dp
@@ -435,6 +437,11 @@ if __name__ == "__main__":
 
     # roles: on every trainer rank, the actor, the critic, the reference and the reward model shards
     decay_steps = args.steps if args.lr_schedule == "linear" else 0
+    dist.mark_memory_start(device)  # what the models and steps add is measured from here
+    if rank == 0:
+        critic_dir = args.critic_model or args.model
+        print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
+                             max(len(r["ids"]) for r in rows), len(eval_rows), critic_dir), flush=True)
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size, decay_steps)
     critic = Critic(args.critic_model or args.model, plan.mesh, device, args.critic_lr, args.warmup_steps,

@@ -319,6 +319,19 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
+_memory_start = [0.0]  # the peak before the models loaded (the interpreter, torch, the data)
+
+
+def mark_memory_start(device):
+    """Called once, before any model loads: what the run adds is measured from here."""
+    _memory_start[0] = peak_memory_gib(device)
+
+
+def memory_added_gib(device) -> float:
+    """The peak this run's models and steps added (the memory plan estimates this)."""
+    return peak_memory_gib(device) - _memory_start[0]
+
+
 def reduce(values: dict, op=dist.ReduceOp.SUM, group=None) -> dict[str, float]:
     """Reduce each metric over ranks with one all_reduce; returns Python floats (log time only)."""
     names = sorted(values)

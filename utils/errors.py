@@ -81,7 +81,8 @@ def _report(kind, error, tb):
     if lost_peer(error) and os.environ.get("RL_DEBUG") != "1":
         print(f"error: (rank {rank}) another rank stopped answering in a collective: it died, its node went "
               f"away, or it hung longer than --timeout-s (see its output, or its node's). The newest "
-              f"complete checkpoint in --run-dir is intact: --resume auto goes on from it. ({str(error)[:160]})",
+              f"complete checkpoint in --run-dir is intact: --resume auto goes on from it. "
+              f"({str(error)[:160]})",
               file=stderr, flush=True)
         os._exit(1)
     if not issubclass(kind, UserError) or os.environ.get("RL_DEBUG") == "1":

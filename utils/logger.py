@@ -91,9 +91,11 @@ class Logger:
                     shares.append(f"{name} {share:.0%}")
             tokens = sum(r.get("perf/tokens_per_s", 0.0) * r.get("perf/step_s", 0.0) for r in steps)
             memory = max(r.get("perf/peak_mem_gib", 0.0) for r in steps)
+            added = max(r.get("perf/peak_mem_added_gib", 0.0) for r in steps)
             lines.append(f"{len(steps)} steps in {total_s:.0f}s ({step_s:.0f}s in steps: "
                          f"{', '.join(shares)}); "
-                         f"{tokens / step_s:.0f} tokens/s; peak memory {memory:.2f} GiB")
+                         f"{tokens / step_s:.0f} tokens/s; peak memory {memory:.2f} GiB "
+                         f"({added:.2f} GiB for the models and steps)")
         where = [f"metrics {self.path}"]
         if final_dir:
             where.append(f"final model {final_dir}")

@@ -160,15 +160,18 @@ class ModelConfig:
         arch = self.architecture.replace("ForCausalLM", "ForSequenceClassification")
         return replace(self, architecture=arch, num_labels=num_labels, tie_word_embeddings=False)
 
-    def num_params(self, embeddings: bool = True) -> int:
+    def layer_params(self) -> int:
+        """One decoder block's parameters."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         bias = (q + 2 * kv + (h if self.o_bias else 0)) if self.attention_bias else 0
         attn = h * q + 2 * h * kv + q * h + bias + (2 * self.head_dim if self.qk_norm else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings or self.scores else 2)
-        head = h * self.num_labels if self.scores else 0
-        return self.num_hidden_layers * layer + h + head + (emb if embeddings else 0)
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def num_params(self, embeddings: bool = True) -> int:
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings or self.scores else 2)
+        head = self.hidden_size * self.num_labels if self.scores else 0
+        return self.num_hidden_layers * self.layer_params() + self.hidden_size + head + (emb if embeddings else 0)
 
 
 def rope_frequencies(head_dim: int, theta: float, llama3: dict | None = None) -> torch.Tensor:

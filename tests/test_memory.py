@@ -1,0 +1,77 @@
+"""The memory plan (utils/memory.py) against what runs measure on CPU.
+
+A run's `perf/peak_mem_added_gib` is its peak RSS minus the peak before the models loaded. That
+also counts what the first steps load lazily (torch.distributed's FSDP and DTensor code, ~0.1
+GiB on CPU), which no model config predicts: so the test compares the estimate's growth with the
+measured growth between a small and a 54x larger model, same flags, same layout. glibc keeps
+freed heap memory for reuse, so the RSS peak would measure the allocator's history rather than
+the live tensors; MALLOC_MMAP_THRESHOLD_ makes every allocation over 64 KiB its own mapping,
+returned when freed."""
+import re
+
+import pytest
+
+from conftest import hf_checkpoint
+from test_fsdp import torchrun
+from test_train_grpo import metrics
+from utils.memory import GIB, Need, Workload, estimate
+from utils.model import ModelConfig
+
+TOLERANCE = 0.2  # of the measured growth
+MID = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+           num_key_value_heads=2, head_dim=64)  # 23.1M parameters; the small one has 0.43M
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    small, mid = str(tmp_path_factory.mktemp("small")), str(tmp_path_factory.mktemp("mid"))
+    hf_checkpoint(small)
+    hf_checkpoint(mid, **MID)
+    return small, mid
+
+
+def measured(model, ranks, flags, run_dir):
+    """(the printed estimate for the trainer ranks, their measured peak), in GiB."""
+    p = torchrun(ranks, "train_grpo.py", "--model", model, "--steps", "2", "--prompts-per-step", "4",
+                 "--num-generations", "4", "--eval-every", "0", "--max-new-tokens", "48",
+                 "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir)
+    said = float(re.search(r"\| trainer ([0-9.]+) =", p.stdout).group(1))
+    return said, max(r["perf/peak_mem_added_gib"] for r in metrics(run_dir) if not r.get("final"))
+
+
+@pytest.mark.parametrize("ranks,flags", [
+    (1, ["--micro-batch-size", "16"]),  # one micro-batch: activations dominate
+    (1, ["--micro-batch-size", "4"]),  # four: gradients wait beside each one's activations
+    (2, ["--micro-batch-size", "4"]),  # FSDP2 halves the shards
+    (2, ["--placement", "disaggregate", "--rollout-ranks", "1", "--micro-batch-size", "4"]),  # no engine
+], ids=["colocate-1-mb16", "colocate-1-mb4", "colocate-2", "disaggregate-trainer"])
+def test_the_estimate_grows_as_the_measured_peak(models, tmp_path, monkeypatch, ranks, flags):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # torchrun's ranks inherit it
+    small, mid = models
+    said_small, seen_small = measured(small, ranks, flags, str(tmp_path / "small"))
+    said_mid, seen_mid = measured(mid, ranks, flags, str(tmp_path / "mid"))
+    said, seen = said_mid - said_small, seen_mid - seen_small
+    print(f"{ranks} {flags}: estimate {said:.3f}, measured {seen:.3f} GiB ({said / seen - 1:+.0%})")
+    assert seen > 0.25, (seen_small, seen_mid)  # the larger model is what the peak measures
+    assert abs(said - seen) <= TOLERANCE * seen, (said, seen, said_mid, seen_mid)
+
+
+def test_the_plan_follows_the_layout():
+    cfg = ModelConfig(**MID)
+    w = Workload(param_bytes=2, micro_batch=4, prompt_len=64, new_tokens=256, rows=16, gen_rows=16,
+                 packed_decode=False)
+    one, eight = estimate(cfg, "colocate", 1, 0, w)["trainer"], estimate(cfg, "colocate", 8, 0, w)["trainer"]
+    P = cfg.num_params()
+    assert one.held == {"weights": 4 * P, "adam": 8 * P} and eight.held == {"weights": 4 * P // 8, "adam": P}
+    assert one.phases["generate"]["engine"] == 2 * P  # the engine's copy is whole on every rank
+    assert one.phases["train"]["grads"] == 8 * eight.phases["train"]["grads"]
+    split = estimate(cfg, "disaggregate", 4, 4, w)
+    assert "generate" not in split["trainer"].phases and set(split["rollout"].phases) == {"generate"}
+    assert set(split["rollout"].held) == {"sync_buffers"}  # a rollout rank keeps no optimizer state
+    gpu = Workload(**{**w.__dict__, "vllm_share": 0.5, "device_bytes": 80 * GIB})
+    assert estimate(cfg, "colocate", 8, 0, gpu)["trainer"].phases["generate"] == {"vllm_pool": 40 * GIB}
+
+
+def test_the_peak_is_what_is_held_and_the_largest_phase():
+    need = Need({"a": 3}, {"x": {"b": 1, "c": 4}, "y": {"d": 2}})
+    assert need.total() == 3 + 5

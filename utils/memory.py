@@ -1,0 +1,160 @@
+"""What a run needs per device, estimated from the model config and the flags before anything
+loads: printed at start-up (train_grpo.py, train_ppo.py), checked against the measured peaks of
+runs on CPU (tests/test_memory.py), and behind the launch recipes in the README.
+
+A rank holds some memory for the whole run and the rest one phase at a time (the engine drops
+its weights before training: `release`), so its peak is held + the largest phase. In bytes, for
+P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of the param dtype:
+- held: the fp32 master shards and Adam's two moments, 4 + 8 bytes per parameter over d; the
+  reference and reward model's fp32 shards; PPO's critic's own shards and moments.
+- train: the gradient shards (4 P / d; with a single micro-batch, the larger of them and the
+  activations, which the backward frees as it makes the gradients), what FSDP2 holds unsharded
+  in p (the root's own parameters: embeddings, head, final norm; and two decoder blocks, the
+  current and the prefetched one), what one micro-batch's forward keeps for its backward (per
+  token and layer, in p: the residual input, the normalised input and its scaled copy, twice (6
+  h); q three times (projection, rotated half, after RoPE) and the attention output twice (5 q);
+  k three times and v once (4 kv); the MLP's gate, its SiLU, up and their product (4 i):
+  measured on CPU within 10% of what autograd keeps), and the logits [tokens, V] in fp32 three
+  times.
+- generate: the engine's full copy of the weights in p; on CPU in fp32 the native engine's
+  oneDNN-packed decode copy (`FusedDecoder.prepare`: the same size again); its KV cache
+  [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p. vLLM on a GPU instead
+  takes its `gpu_memory_utilization` share of the device.
+- judge (GRPO, an engine judge): the same for the judge model, at its own phase.
+- sync_buffers (disaggregate): trainer 0's and each rollout rank's two reusable buckets for the
+  weight broadcast, of which the weights touch min(2 x --sync-bucket-mb, their size in p).
+"""
+from dataclasses import dataclass, field
+
+from utils.model import ModelConfig
+
+GIB = 2**30
+
+
+@dataclass
+class Workload:
+    """What the flags make one rank do."""
+    param_bytes: int  # 4 fp32, 2 bf16
+    micro_batch: int  # completions per forward/backward
+    prompt_len: int  # the longest prompt (at most --max-prompt-tokens)
+    new_tokens: int  # --max-new-tokens
+    rows: int  # completions one trainer trains per step (prompts per trainer x generations)
+    gen_rows: int  # the most completions one engine call makes for one trainer (a step's or an eval's)
+    reference: bool = False
+    critic: ModelConfig | None = None
+    reward_model: ModelConfig | None = None
+    judge: ModelConfig | None = None
+    judge_len: int = 0  # the judge's prompt + its answer, in tokens
+    vllm_share: float = 0.0  # vLLM on a GPU: its gpu_memory_utilization of device_bytes
+    device_bytes: int = 0
+    packed_decode: bool = True  # the native engine on CPU in fp32 keeps a packed copy
+    bucket_bytes: int = 64 * 2**20  # --sync-bucket-mb (disaggregate)
+
+
+@dataclass
+class Need:
+    """One kind of rank: bytes held for the run, and bytes per phase (one phase at a time)."""
+    held: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def total(self) -> int:
+        return sum(self.held.values()) + max((sum(p.values()) for p in self.phases.values()), default=0)
+
+
+def activations_per_token(cfg: ModelConfig) -> int:
+    """Elements one token's forward keeps for the backward, over all layers (see the docstring)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return cfg.num_hidden_layers * (6 * cfg.hidden_size + 5 * q + 4 * kv + 4 * cfg.intermediate_size)
+
+
+def kv_cache(cfg: ModelConfig, rows: int, length: int, p: int) -> int:
+    return 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * length * cfg.head_dim * p
+
+
+def training(cfg: ModelConfig, d: int, w: Workload, seq: int) -> dict[str, int]:
+    """A training phase under FSDP2 over d ranks: gradients, gathered blocks, activations."""
+    P = cfg.num_params()
+    root = P - cfg.num_hidden_layers * cfg.layer_params()
+    tokens = min(w.micro_batch, w.rows) * seq
+    head = cfg.num_labels if cfg.scores else cfg.vocab_size
+    parts = {"gathered": (root + 2 * cfg.layer_params()) * w.param_bytes, "logits": 3 * tokens * head * 4}
+    grads, kept = 4 * P // d, tokens * activations_per_token(cfg) * w.param_bytes
+    if w.rows > w.micro_batch:  # earlier micro-batches' gradients wait while the next one's activations live
+        parts.update(grads=grads, activations=kept)
+    else:  # one micro-batch: its backward frees the activations as it makes the gradients
+        parts["activations" if kept >= grads else "grads"] = max(kept, grads)
+    return parts
+
+
+def generation(cfg: ModelConfig, rows: int, length: int, w: Workload) -> dict[str, int]:
+    """A generate phase: the engine's weights, its packed copy and KV cache (vLLM on a GPU: its share)."""
+    if w.vllm_share:
+        return {"vllm_pool": int(w.vllm_share * w.device_bytes)}
+    weights = cfg.num_params() * w.param_bytes
+    packed = weights if w.packed_decode and w.param_bytes == 4 else 0
+    return {"engine": weights, "packed": packed, "kv": kv_cache(cfg, rows, length, w.param_bytes)}
+
+
+def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) -> dict[str, Need]:
+    """Each kind of rank's need: {"trainer": ...} and, disaggregated, {"rollout": ...} (a rollout
+    rank generates for dp / rollout trainers at once)."""
+    seq = w.prompt_len + w.new_tokens
+    P = cfg.num_params()
+    trainer = Need({"weights": 4 * P // dp, "adam": 8 * P // dp}, {"train": training(cfg, dp, w, seq)})
+    if w.reference:
+        trainer.held["reference"] = 4 * P // dp
+    if w.reward_model is not None:
+        trainer.held["reward_model"] = 4 * w.reward_model.num_params() // dp
+    if w.critic is not None:
+        C = w.critic.num_params()
+        trainer.held.update({"critic": 4 * C // dp, "critic_adam": 8 * C // dp})
+        trainer.phases["critic train"] = training(w.critic, dp, w, seq)
+    if w.judge is not None:
+        trainer.phases["judge"] = generation(w.judge, w.rows, w.judge_len, w)  # a step's completions
+    if mode != "disaggregate":
+        trainer.phases["generate"] = generation(cfg, w.gen_rows, seq, w)
+        return {"trainer": trainer}
+    buffers = min(2 * w.bucket_bytes, P * w.param_bytes)  # trainer 0 sends, rollout ranks take buckets
+    trainer.held["sync_buffers"] = buffers
+    generate = generation(cfg, w.gen_rows * dp // rollout, seq, w)  # for all its trainers at once
+    rollout_rank = Need({"sync_buffers": buffers}, {"generate": generate})
+    return {"trainer": trainer, "rollout": rollout_rank}
+
+
+def _gib(parts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v >= GIB / 200) or "< 0.01"
+
+
+def describe(plan: dict[str, Need]) -> str:
+    """One line: each kind of rank's total, what it holds, and its phases (the largest counts)."""
+    kinds = []
+    for kind, need in plan.items():
+        phases = "; ".join(f"{name}: {_gib(parts)}" for name, parts in need.phases.items())
+        held = f"{_gib(need.held)} + " if need.held else ""
+        kinds.append(f"{kind} {need.total() / GIB:.2f} = {held}the largest of ({phases})")
+    return "memory plan per device (estimate, GiB) | " + " | ".join(kinds)
+
+
+def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, prompt_len: int, eval_rows: int,
+            critic: str | None = None) -> str:
+    """The start-up line for a train script's flags (GRPO and PPO share these names); prompt_len:
+    the longest prompt of the data, eval_rows: the held-out prompts generated at each eval."""
+    import torch
+
+    from utils.model import read_config
+
+    rows = args.prompts_per_step // dp * args.num_generations
+    judge = getattr(args, "judge_model", None)
+    gpu_vllm = args.engine == "vllm" and device.type == "cuda"
+    value = read_config(critic) if critic else None  # a value model: one score per token
+    value = value if value is None or value.scores else value.with_score_head(1)
+    w = Workload(param_bytes=2 if args.param_dtype == "bfloat16" else 4, micro_batch=args.micro_batch_size,
+                 prompt_len=prompt_len, new_tokens=args.max_new_tokens, rows=rows,
+                 gen_rows=max(rows, -(-eval_rows // dp)), reference=args.kl_coef > 0, critic=value,
+                 reward_model=read_config(args.reward_model) if args.reward_model else None,
+                 judge=read_config(judge) if judge else None,
+                 judge_len=prompt_len + args.max_new_tokens + 512  # the judge template's own words
+                 + getattr(args, "judge_max_new_tokens", 0),
+                 vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.sync_bucket_mb * 2**20),
+                 device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0)
+    return describe(estimate(cfg, mode, dp, rollout, w))
