@@ -35,7 +35,8 @@ def measured(model, ranks, flags, run_dir):
     p = torchrun(ranks, "train_grpo.py", "--model", model, "--steps", "2", "--prompts-per-step", "4",
                  "--num-generations", "4", "--eval-every", "0", "--max-new-tokens", "48",
                  "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir)
-    said = float(re.search(r"\| trainer ([0-9.]+) =", p.stdout).group(1))
+    said = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", p.stdout)
+    said = float(said.group(2)) / (1024 if said.group(1) == "MiB" else 1)
     return said, max(r["perf/peak_mem_added_gib"] for r in metrics(run_dir) if not r.get("final"))
 
 

@@ -121,18 +121,20 @@ def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) ->
     return {"trainer": trainer, "rollout": rollout_rank}
 
 
-def _gib(parts: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v >= GIB / 200) or "< 0.01"
-
-
 def describe(plan: dict[str, Need]) -> str:
-    """One line: each kind of rank's total, what it holds, and its phases (the largest counts)."""
+    """One line: each kind of rank's total, what it holds, and its phases (the largest counts);
+    in GiB, or MiB for a run under 1 GiB."""
+    unit, size = ("GiB", GIB) if max(n.total() for n in plan.values()) >= GIB else ("MiB", 2**20)
+
+    def parts(named: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v / size:.2f}" for k, v in named.items() if v >= size / 200) or "< 0.01"
+
     kinds = []
     for kind, need in plan.items():
-        phases = "; ".join(f"{name}: {_gib(parts)}" for name, parts in need.phases.items())
-        held = f"{_gib(need.held)} + " if need.held else ""
-        kinds.append(f"{kind} {need.total() / GIB:.2f} = {held}the largest of ({phases})")
-    return "memory plan per device (estimate, GiB) | " + " | ".join(kinds)
+        phases = "; ".join(f"{name}: {parts(p)}" for name, p in need.phases.items())
+        held = f"{parts(need.held)} + " if need.held else ""
+        kinds.append(f"{kind} {need.total() / size:.2f} = {held}the largest of ({phases})")
+    return f"memory plan per device (estimate, {unit}) | " + " | ".join(kinds)
 
 
 def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, prompt_len: int, eval_rows: int,
