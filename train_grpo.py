@@ -188,6 +188,9 @@ class Args:
     of training per step on the tiny default against 64; lower it for a large model's memory)"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
+    compile: bool = False
+    """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
+    the first steps pay the compile (see README: A compiled step)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
     """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
     placement: Literal["colocate", "disaggregate", "partial"] = "colocate"
@@ -700,7 +703,7 @@ if __name__ == "__main__":
                              max(len(r["ids"]) for r in rows), len(eval_rows)), flush=True)
     actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size,
-                  decay_steps=args.steps if args.lr_schedule == "linear" else 0)
+                  decay_steps=args.steps if args.lr_schedule == "linear" else 0, compile=args.compile)
     ref = None
     if args.kl_coef > 0:
         ref = Reference(args.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)

@@ -10,7 +10,9 @@ alternate (rounds), and each reports the median step time after its first step.
 A random model never answers right, so every group's accuracy rewards are all equal and
 their advantages 0: TRL trains on those rows anyway, our actor skips them. For the same work
 on both sides, our headline run scores with `bench.common:parity_reward` (mixed groups: every
-row trained); a third row shows the accuracy reward, where our training is skipped. The
+row trained); a third row shows the accuracy reward, where our training is skipped; a fourth,
+`--compile` (each decoder block under torch.compile), with the first step's compile time and
+what it costs or saves over a default-length run (800 steps). The
 step's model FLOPs: generation 2*N per token (plus attention), training 6*N per token of
 prompt+completion (forward + backward); N counts every matmul weight (lm_head included).
 """
@@ -58,20 +60,23 @@ def trl():
     return res["s_per_step_median"], rss, res["model_dir"]
 
 
-def ours(model_dir, data, reward):
+def ours(model_dir, data, reward, *flags):
     run_dir = os.path.join(args.workdir + "-ours", "run")
     out, rss = run([sys.executable, "train_grpo.py", "--model", model_dir, "--dataset", data, "--eval-every", "0",
                     "--steps", str(args.steps), "--prompts-per-step", str(P), "--num-generations", str(G),
                     "--max-new-tokens", str(T), "--run-dir", run_dir, "--no-save-final", "--lr", "1e-5",
-                    "--rewards", reward])
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:args.steps]
+                    "--rewards", reward, *flags])
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][:args.steps]
+    first[flags] = rows[0]["perf/step_s"]
+    rows = rows[1:]
     trained = statistics.mean(r["train/rows_trained"] for r in rows)
     mean_len = statistics.mean(r["rollout/response_len"] for r in rows)
     return statistics.median(r["perf/step_s"] for r in rows), rss, mean_len, trained
 
 
-SAME, SKIP = "ours (train_grpo.py)", "ours, accuracy reward"
-results = {"TRL GRPOTrainer": [], SAME: [], SKIP: []}
+SAME, SKIP, COMPILED = "ours (train_grpo.py)", "ours, accuracy reward", "ours, --compile"
+results = {"TRL GRPOTrainer": [], SAME: [], SKIP: [], COMPILED: []}
+first = {}  # the first step's seconds, by flags: the compile happens there
 rss = {k: 0.0 for k in results}
 trained = {"TRL GRPOTrainer": 1.0}
 model_dir = data = mean_len = None
@@ -87,8 +92,9 @@ for r in range(args.rounds):
             for _ in range(512):
                 a, b = rng.randint(0, 99), rng.randint(0, 99)
                 f.write(json.dumps({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)}) + "\n")
-    for name, reward in ((SAME, "bench.common:parity_reward"), (SKIP, "accuracy")):
-        s, m, length, trained[name] = ours(model_dir, data, reward)
+    for name, reward, flags in ((SAME, "bench.common:parity_reward", ()), (SKIP, "accuracy", ()),
+                                (COMPILED, "bench.common:parity_reward", ("--compile",))):
+        s, m, length, trained[name] = ours(model_dir, data, reward, *flags)
         mean_len = length if name == SAME else mean_len
         results[name].append(s)
         rss[name] = max(rss[name], m)
@@ -109,3 +115,8 @@ for k, v in results.items():
     print(f"| {k:<22} | {s:15.3f} | {rss[k]:12.0f} | {mfu} | {trained[k]:12.0%} |")
 ratio = statistics.median(results[SAME]) / statistics.median(results["TRL GRPOTrainer"])
 print(f"\nours / TRL seconds per step: {ratio:.2f}x   (per-round: {results})")
+eager, compiled = statistics.median(results[SAME]), statistics.median(results[COMPILED])
+compile_s = first[("--compile",)] - first[()]  # the last round's first steps
+saved = (eager - compiled) * 800 - compile_s
+print(f"--compile: first step {first[('--compile',)]:.1f} s (eager {first[()]:.1f} s), then "
+      f"{compiled:.3f} s/step against {eager:.3f}; over an 800-step run it {'saves' if saved > 0 else 'costs'} {abs(saved):.0f} s")

@@ -21,11 +21,12 @@ def lr_factor(warmup_steps: int, decay_steps: int, step: int) -> float:
 class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
-                 micro_batch_size: int = 64, decay_steps: int = 0):
+                 micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False):
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
         micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
-        linearly to 0 over this many optimizer steps (0: constant after the warm-up)."""
-        self.model = load_sharded(path, mesh, device, param_dtype)
+        linearly to 0 over this many optimizer steps (0: constant after the warm-up); compile:
+        torch.compile each decoder block (utils.dist.shard)."""
+        self.model = load_sharded(path, mesh, device, param_dtype, compile=compile)
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
         self.param_dtype = param_dtype
         self.config = self.model.config

@@ -16,10 +16,10 @@ from utils.model import completion_values
 class Critic:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, value_clip: float, param_dtype=torch.float32,
-                 micro_batch_size: int = 64, decay_steps: int = 0):
+                 micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False):
         """value_clip: a value moves at most this far from the one it had at rollout per update
         (the clipped value loss); the rest as the Actor's."""
-        self.model = load_sharded(path, mesh, device, param_dtype, value_head=True)
+        self.model = load_sharded(path, mesh, device, param_dtype, value_head=True, compile=compile)
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
         self.config = self.model.config
         self.max_grad_norm = max_grad_norm

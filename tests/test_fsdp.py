@@ -43,6 +43,23 @@ def test_two_ranks_update_equals_one_rank(model_dir, tmp_path, loss_agg, micro):
     assert open(one + ".gather_ok").read() == "True" and open(two + ".gather_ok").read() == "True"
 
 
+def test_a_compiled_step_is_the_eager_step(model_dir, tmp_path):
+    """--compile (torch.compile of each decoder block, under FSDP2 on 2 ranks): the same update.
+    Adam's first step is ~lr * sign(g) = 1e-2 per weight, so a gradient that differs in the
+    last bits near 0 moves a weight by up to ~1e-5 more or less: 1e-4 is 1% of the step."""
+    eager, compiled = str(tmp_path / "eager.safetensors"), str(tmp_path / "compiled.safetensors")
+    torchrun(2, "tests/helpers/fsdp_step.py", model_dir, eager, "token", "2")
+    torchrun(2, "tests/helpers/fsdp_step.py", model_dir, compiled, "token", "2", "compile", timeout=600)
+    assert int(open(compiled + ".graphs").read()) >= 1  # dynamo compiled the blocks
+    assert open(compiled + ".gather_ok").read() == "True"  # the HF names and values are intact
+    a, b = load_file(eager), load_file(compiled)
+    before = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-4), (k, (a[k] - b[k]).abs().max())
+    assert not torch.equal(b["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
+
+
 def test_zero_advantage_rows_are_skipped_with_the_same_gradient(model_dir, tmp_path):
     """Rows with advantage 0 add nothing to the loss: skipping them leaves the gradient as it was,
     and every rank trains the same number of rows (the most any rank needs) so FSDP pairs up."""

@@ -63,18 +63,24 @@ def exit_now(code: int = 0):
     os._exit(code)
 
 
-def shard(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32):
-    """FSDP2, torchtitan's order: each decoder block, then the root (embeddings, norm, head)."""
+def shard(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, compile: bool = False):
+    """FSDP2, torchtitan's order: each decoder block, then the root (embeddings, norm, head).
+    compile: torch.compile each block's forward first (torchtitan's per-block compile: the
+    blocks are alike, so one graph serves all; FSDP2's all-gather hooks stay outside it, and
+    the parameter names stay HF's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
+        if compile:
+            layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=True)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
-def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head: bool = False):
+def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head: bool = False,
+                 compile: bool = False):
     """Build on meta, shard with FSDP2, allocate only this rank's shards, then copy each
     checkpoint tensor's slice in (torchtitan's order: no rank ever holds a full model).
     value_head: a value model with one score: a score checkpoint's own head, or a causal
@@ -89,7 +95,7 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head:
         raise UserError(f"{path} scores {cfg.num_labels} labels; a value model needs one")
     with torch.device("meta"):
         model = Transformer(cfg)
-    shard(model, mesh, param_dtype=param_dtype)
+    shard(model, mesh, param_dtype=param_dtype, compile=compile)
     model.to_empty(device=device)
     model.init_buffers()
     load_state(model, iter_checkpoint(path), may_lack=("score.weight",) if fresh_head else ())

@@ -218,6 +218,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
+        self.gqa = self.n_kv != self.n_heads  # a bool: under torch.compile(dynamic=True) ints are symbols
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -235,7 +236,7 @@ class Attention(nn.Module):
         if cache is not None:  # write this step's keys into the preallocated cache, attend to all so far
             k, v = cache.update(layer, k, v)  # [B, KV, L, D]
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and S > 1, enable_gqa=self.n_kv != self.n_heads)
+            q, k, v, attn_mask=mask, is_causal=mask is None and S > 1, enable_gqa=self.gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h]
 
 

@@ -16,10 +16,11 @@ from utils.data import make_batch, rank_slice  # noqa: E402
 from utils.model import load_model  # noqa: E402
 
 model_dir, out, loss_agg, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+compiled = sys.argv[5:] == ["compile"]  # each decoder block under torch.compile
 rank, world, device = dist.init(timeout_s=60)
 plan = placement.plan("colocate", rank, world, device, prompts_per_step=world)
 actor = Actor(model_dir, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
-              temperature=0.9, micro_batch_size=micro)
+              temperature=0.9, micro_batch_size=micro, compile=compiled)
 
 # the gathered weights equal the checkpoint's, exactly
 full = {k: v.clone() for k, v in actor.full_weights()}  # each is valid until the next: copy
@@ -47,4 +48,9 @@ if rank == 0:
     save_file(after, out)
     with open(out + ".gather_ok", "w") as f:
         f.write(str(ok))
+    if compiled:  # the graphs dynamo made: the compiled path really ran
+        from torch._dynamo.utils import counters
+
+        with open(out + ".graphs", "w") as f:
+            f.write(str(counters["stats"]["unique_graphs"]))
 dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)
