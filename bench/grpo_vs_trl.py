@@ -119,4 +119,5 @@ eager, compiled = statistics.median(results[SAME]), statistics.median(results[CO
 compile_s = first[("--compile",)] - first[()]  # the last round's first steps
 saved = (eager - compiled) * 800 - compile_s
 print(f"--compile: first step {first[('--compile',)]:.1f} s (eager {first[()]:.1f} s), then "
-      f"{compiled:.3f} s/step against {eager:.3f}; over an 800-step run it {'saves' if saved > 0 else 'costs'} {abs(saved):.0f} s")
+      f"{compiled:.3f} s/step against {eager:.3f}; over an 800-step run it "
+      f"{'saves' if saved > 0 else 'costs'} {abs(saved):.0f} s")
