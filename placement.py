@@ -358,3 +358,64 @@ def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float, tally: dict 
         device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
     return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
             "rollout_idle": rollout_idle, "device_idle": device_idle}
+
+
+@dataclass
+class Move:
+    """A rebalancing decision: the layout to move to (None: stay) and the numbers behind it."""
+    layout: Layout | None
+    why: str
+    step_s: float = 0.0  # the window's mean step time now
+    predicted_s: float = 0.0  # the best other layout's predicted step time
+    gain_s: float = 0.0  # predicted seconds saved over the horizon, less the move's cost
+
+
+def rebalance(window: list[dict], layout: Layout, prompts_per_step: int, max_staleness: int,
+              move_cost_s: float, horizon: int, threshold: float, since_move: int, min_gap: int) -> Move:
+    """Where the ranks should be, from the last steps' reduced timings (the same numbers on every
+    rank, so every rank decides alike with no message). Disaggregate: a trainer rank's busy
+    seconds per step (`trainer_busy`, its mean over the trainers) times dp is the training work,
+    a rollout rank's (`rollout_busy`) times K the generation work; another split T' + K' = N runs
+    the same work in max(train / T', generate / K') per step when the two sides overlap
+    (--max-staleness >= 1) and in their sum when they take turns (0). Moves when the best split
+    that `check` accepts is predicted faster by more than `threshold` (a share of the step) and
+    saves more than `move_cost_s` over the next `horizon` steps; else stays, saying why. Never
+    within `min_gap` steps of the last move (`since_move` steps ago), so that a move's own
+    disturbance cannot trigger the next one.
+    window: [{"trainer_busy", "rollout_busy", "step_s"}] per step."""
+    if layout.mode != "disaggregate":
+        return Move(None, f"{layout.mode} placement has no rollout ranks to move")
+    if since_move < min_gap:
+        return Move(None, f"{since_move} steps since the last move, under the minimum gap of {min_gap}")
+    n = len(window)
+    step_s = sum(w["step_s"] for w in window) / n
+    train = sum(w["trainer_busy"] for w in window) / n * layout.dp  # trainer-seconds per step
+    generate = sum(w["rollout_busy"] for w in window) / n * layout.rollout  # rollout-rank-seconds per step
+
+    def predicted(k: int) -> float:
+        sides = (train / (layout.world - k), generate / k)
+        return max(sides) if max_staleness else sum(sides)
+
+    fits = []
+    for k in range(1, layout.world):
+        try:
+            fits.append(check("disaggregate", layout.world, prompts_per_step, k, max_staleness))
+        except UserError:
+            continue
+    others = [c for c in fits if c.rollout != layout.rollout]
+    best = min(others, key=lambda c: predicted(c.rollout), default=None)
+    if best is None:
+        return Move(None, "no other split fits the world and the batch", step_s)
+    faster = step_s - predicted(best.rollout)
+    gain = faster * horizon - move_cost_s
+    move = Move(None, "", step_s, predicted(best.rollout), gain)
+    if faster < threshold * step_s:
+        move.why = (f"{best.rollout} rollout ranks would save {faster / step_s:.0%} of a step, under the "
+                    f"threshold {threshold:.0%}")
+    elif gain <= 0:
+        move.why = (f"the move costs {move_cost_s:.0f}s, more than the {faster * horizon:.0f}s it saves over "
+                    f"{horizon} steps")
+    else:
+        move.layout, move.why = best, (f"{layout.rollout} -> {best.rollout} rollout ranks: {step_s:.2f}s -> "
+                                       f"{predicted(best.rollout):.2f}s per step predicted")
+    return move
