@@ -23,6 +23,8 @@ when the rollout ranks run vLLM, straight into their vLLM workers through vLLM's
 weight-transfer layer (utils/vllm_transfer.py: our gloo backend on CPU, vLLM's nccl on GPU).
 """
 import datetime
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -370,16 +372,27 @@ class Move:
     gain_s: float = 0.0  # predicted seconds saved over the horizon, less the move's cost
 
 
-def rebalance(window: list[dict], layout: Layout, prompts_per_step: int, max_staleness: int,
+def splits(world: int, prompts_per_step: int, max_staleness: int) -> list[Layout]:
+    """Every disaggregated layout of `world` ranks that `check` accepts for this batch."""
+    fits = []
+    for k in range(1, world):
+        try:
+            fits.append(check("disaggregate", world, prompts_per_step, k, max_staleness))
+        except UserError:
+            continue
+    return fits
+
+
+def rebalance(window: list[dict], layout: Layout, fits: list[Layout], max_staleness: int,
               move_cost_s: float, horizon: int, threshold: float, since_move: int, min_gap: int) -> Move:
     """Where the ranks should be, from the last steps' reduced timings (the same numbers on every
-    rank, so every rank decides alike with no message). Disaggregate: a trainer rank's busy
-    seconds per step (`trainer_busy`, its mean over the trainers) times dp is the training work,
-    a rollout rank's (`rollout_busy`) times K the generation work; another split T' + K' = N runs
-    the same work in max(train / T', generate / K') per step when the two sides overlap
-    (--max-staleness >= 1) and in their sum when they take turns (0). Moves when the best split
-    that `check` accepts is predicted faster by more than `threshold` (a share of the step) and
-    saves more than `move_cost_s` over the next `horizon` steps; else stays, saying why. Never
+    rank, so every rank decides alike with no message). Disaggregate: a trainer rank's busy seconds
+    per step (`trainer_busy`, its mean over the trainers) times dp is the training work, a rollout
+    rank's (`rollout_busy`) times K the generation work; another split T' + K' = N runs the same
+    work in max(train / T', generate / K') per step when the two sides overlap (--max-staleness >=
+    1) and in their sum when they take turns (0). Moves when the best split of `fits` (`splits`,
+    less what the script refuses) is predicted faster by more than `threshold` (a share of the step)
+    and saves more than `move_cost_s` over the next `horizon` steps; else stays, saying why. Never
     within `min_gap` steps of the last move (`since_move` steps ago), so that a move's own
     disturbance cannot trigger the next one.
     window: [{"trainer_busy", "rollout_busy", "step_s"}] per step."""
@@ -396,12 +409,6 @@ def rebalance(window: list[dict], layout: Layout, prompts_per_step: int, max_sta
         sides = (train / (layout.world - k), generate / k)
         return max(sides) if max_staleness else sum(sides)
 
-    fits = []
-    for k in range(1, layout.world):
-        try:
-            fits.append(check("disaggregate", layout.world, prompts_per_step, k, max_staleness))
-        except UserError:
-            continue
     others = [c for c in fits if c.rollout != layout.rollout]
     best = min(others, key=lambda c: predicted(c.rollout), default=None)
     if best is None:
@@ -419,3 +426,26 @@ def rebalance(window: list[dict], layout: Layout, prompts_per_step: int, max_sta
         move.layout, move.why = best, (f"{layout.rollout} -> {best.rollout} rollout ranks: {step_s:.2f}s -> "
                                        f"{predicted(best.rollout):.2f}s per step predicted")
     return move
+
+
+MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and each move's numbers
+MOVE_EXIT = 3  # a rank's exit code after a move: torchrun (--max-restarts) starts the new layout
+
+
+def moves(run_dir: str) -> dict:
+    """{"rollout_ranks": K, "moves": [...]} as the last move left it ({} before any)."""
+    path = os.path.join(run_dir, MOVES)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def record_move(run_dir: str, record: dict):
+    """Rank 0, after the move's checkpoint is complete: the new layout, written whole (a rename)."""
+    state = moves(run_dir)
+    state = {"rollout_ranks": record["to"], "moves": [*state.get("moves", []), record]}
+    tmp = os.path.join(run_dir, MOVES + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(tmp, os.path.join(run_dir, MOVES))

@@ -206,6 +206,21 @@ class Args:
     many policy versions old (0: on-policy, the same run as colocate)"""
     sync_bucket_mb: float = 64.0
     """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
+    rebalance: bool = False
+    """disaggregate: move ranks between training and generation as the run goes, when the measured
+    busy seconds predict a faster split that pays for the move (placement.rebalance); a move saves a
+    checkpoint and torchrun restarts the workers in the new layout: launch with --max-restarts (one
+    per move, plus those for failures)"""
+    rebalance_threshold: float = 0.1
+    """--rebalance: move only to a split predicted faster by this share of a step"""
+    rebalance_window: int = 10
+    """--rebalance: the steps whose mean busy seconds a decision reads"""
+    rebalance_gap: int = 20
+    """--rebalance: steps at least between two moves (and from the start); the horizon a move must
+    pay for itself in"""
+    rebalance_force: tuple[int, int] | None = None
+    """--rebalance, a test hook: STEP K moves to K rollout ranks after STEP steps, whatever the
+    measurements say"""
     seed: int = 0
     """seeds init, data order and sampling (per prompt: results do not depend on the ranks)"""
     run_dir: str = "runs/grpo"
@@ -274,6 +289,23 @@ def check_args(args: Args, world: int):
         ("dynamic_sampling", not args.dynamic_sampling or args.advantage in GROUP_BASELINES,
          f"it drops groups whose rewards are all equal, which carry no signal only under a group baseline "
          f"(grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}; drop one of the two"),
+        ("rebalance", not args.rebalance or args.placement == "disaggregate",
+         "it moves ranks between trainers and rollout ranks: add --placement disaggregate "
+         "--rollout-ranks K"),
+        ("rebalance", not args.rebalance or not args.dynamic_sampling,
+         "dynamic sampling keeps a prompt stream per trainer, which a move would split differently; "
+         "drop one"),
+        ("rebalance", not args.rebalance or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) >= 1,
+         "a move restarts the workers in the new layout: launch with torchrun --max-restarts N (one per "
+         "move you allow, plus those for failures)"),
+        ("rebalance_threshold", 0 <= args.rebalance_threshold < 1,
+         "a share of a step in [0, 1), such as 0.1"),
+        ("rebalance_window", args.rebalance_window >= 1, "1 or more steps"),
+        ("rebalance_gap", args.rebalance_gap >= args.rebalance_window,
+         f"at least --rebalance-window ({args.rebalance_window}): a decision reads only steps since the "
+         f"last move"),
+        ("rebalance_force", args.rebalance_force is None or args.rebalance,
+         "it forces a --rebalance move: add --rebalance"),
         ("ds_oversampling", 0 < args.ds_oversampling < math.inf, "a positive factor such as 1.2"),
         ("ds_max_refills", args.ds_max_refills >= 0, "0 (one wave) or more"),
         ("max_skipped_steps", args.max_skipped_steps >= 0, "0 or more"),
@@ -309,6 +341,13 @@ def check_args(args: Args, world: int):
     layout = placement.check(args.placement, world, args.prompts_per_step, args.rollout_ranks,
                              args.max_staleness, args.sampler_ranks)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
+    if args.rebalance_force:
+        fits = [c.rollout for c in placement.splits(world, args.prompts_per_step, args.max_staleness)
+                if c.rollout != layout.rollout]
+        if args.rebalance_force[1] not in fits:
+            step, k = args.rebalance_force
+            raise UserError(f"--rebalance-force {step} {k}: a world of {world} can move from "
+                            f"{layout.rollout} rollout ranks to {fits or 'none other'}")
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
                         f"trainer rank trains per step: use a divisor of {rows}")
@@ -610,8 +649,11 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "train_s": seconds["train"], "mem_gib": dist.peak_memory_gib(plan.device),
         "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s,
         "staleness": staleness})
+    # what --rebalance reads, the same on every trainer: each role's busy seconds per rank
+    entry = {"trainer_busy": total["trainer_busy"] / plan.dp, "rollout_busy": total["rollout_busy"] / plan.dp,
+             "step_s": peak["step_s"]}
     if plan.rank != 0:
-        return
+        return entry
     N, dp = total["completions"], plan.dp
     S = max(1.0, total["scored"])  # completions with a reward
     T = max(1.0, total["completion_tokens"])  # their tokens: what the loss sees
@@ -661,12 +703,75 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
         "placement/idle_share": total["device_idle"] / (plan.layout.world * peak["step_s"]),
         "placement/staleness_max": peak["staleness"], "placement/staleness_mean": total["staleness"] / dp})
     log.log(step, metrics)
+    return entry
+
+
+def rebalance_start(args, plan, actor, moved: dict, start: int, launched: float, log) -> float:
+    """--rebalance, before the first step: the seconds a move costs (the last move's, measured from
+    its decision to here; before any, this launch's start-up), the same on every trainer. Right
+    after a move, the training state must be the one it left with, exactly (a digest of it)."""
+    last = moved["moves"][-1] if moved else None
+    since = last["at"] if last else launched
+    cost_s = dist.reduce({"s": time.time() - since}, op=MAX, group=plan.trainer_group)["s"]
+    if last and last["step"] == start:
+        if checkpoint.digest(actor) != last["digest"]:
+            raise RuntimeError(f"the move after step {start} did not carry the training state exactly (its "
+                               f"digest differs): a bug; {checkpoint.last_complete(args.run_dir)}")
+        if plan.rank == 0:
+            log.log(start - 1, {"event": "placement/moved", "placement/move_s": cost_s,
+                                "placement/move_state_equal": 1.0,
+                                "placement/rollout_ranks": plan.layout.rollout})
+    return cost_s
+
+
+def rebalance_move(step: int, move, args, plan, actor, ema, stream, log, cost_s: float) -> bool:
+    """The move after `step`: a checkpoint, then rank 0 writes the new layout (run_dir/placement.json)
+    and logs why; every rank then stops and torchrun restarts them in it. False (no move) when the
+    checkpoint failed: the run goes on as it was."""
+    record = {"step": step + 1, "at": time.time(), "from": plan.layout.rollout, "to": move.layout.rollout,
+              "why": move.why, "step_s": move.step_s, "predicted_s": move.predicted_s, "gain_s": move.gain_s,
+              "cost_s": cost_s, "digest": checkpoint.digest(actor)}
+    saved = checkpoint.save(args.run_dir, step + 1, actor, args.keep_last, plan.rank, extra={"ds_ema": ema},
+                            rank_state={"stream": stream.state()})
+    if saved["path"] is None:
+        if plan.rank == 0:
+            print(f"rebalance after step {step + 1}: {move.why}; not moving: the checkpoint failed "
+                  f"({saved['error']})", flush=True)
+        return False
+    if plan.rank == 0:
+        placement.record_move(args.run_dir, record)
+        log.log(step, {"event": "placement/rebalance", "placement/rebalance_why": move.why,
+                       "placement/rebalance_from": record["from"],
+                       "placement/rebalance_to": record["to"], "placement/rebalance_step_s": move.step_s,
+                       "placement/rebalance_predicted_s": move.predicted_s,
+                       "placement/rebalance_gain_s": move.gain_s, "placement/rebalance_cost_s": cost_s})
+    torch.distributed.barrier(group=plan.trainer_group)  # the new layout is on disk before any rank leaves
+    return True
+
+
+def decide_move(step: int, args, plan, window: list[dict], since_move: int, cost_s: float) -> placement.Move:
+    """--rebalance after `step` (0-based): placement.rebalance over the splits this run accepts
+    (check's, whose trainers can also split the minibatches), or --rebalance-force's."""
+    fits = [c for c in placement.splits(plan.layout.world, args.prompts_per_step, args.max_staleness)
+            if args.prompts_per_step // c.dp * args.num_generations % args.minibatches == 0]
+    if args.rebalance_force and args.rebalance_force[0] == step + 1:
+        to = next(c for c in fits if c.rollout == args.rebalance_force[1])
+        return placement.Move(to, f"{plan.layout.rollout} -> {to.rollout} rollout ranks: forced "
+                                  f"(--rebalance-force)", window[-1]["step_s"], window[-1]["step_s"])
+    horizon = min(args.rebalance_gap, args.steps - step - 1)
+    return placement.rebalance(window[-args.rebalance_window:], plan.layout, fits, args.max_staleness, cost_s,
+                               horizon, args.rebalance_threshold, since_move, args.rebalance_gap)
 
 
 if __name__ == "__main__":
+    launched = time.time()
     args = errors.cli(Args)
     errors.install()  # a UserError ends the run with one line, `error: ...` (RL_DEBUG=1: a traceback)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    moved = placement.moves(args.run_dir) if args.rebalance and (restarted or args.resume == "auto") else {}
+    if moved:  # --rebalance moved the ranks: this launch resumes in the layout it moved to
+        args.rollout_ranks = moved["rollout_ranks"]
     cfg, tok = read_config(args.model), Tokenizer(args.model)
     rank, world, device = dist.init(args.timeout_s)
     plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
@@ -748,6 +853,9 @@ if __name__ == "__main__":
     stopped = False  # some rank was asked to stop (SIGTERM)
     in_flight = {}  # step -> (this rank's rows, ticket): rollouts sent ahead of training
     submitted = start  # the next step whose prompts go out
+    window, since_move, moving, move_cost_s, warned_restarts = [], 0, False, 0.0, False  # --rebalance
+    if args.rebalance:
+        move_cost_s = rebalance_start(args, plan, actor, moved, start, launched, log)
     for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
         timer = Timer()
         metrics = {}
@@ -835,8 +943,8 @@ if __name__ == "__main__":
                             "sigterm": stop["sigterm"]}, op=MAX, group=plan.trainer_group)
         skipped_steps += int(halt["skipped"])
         unscored_steps += int(halt["unscored"])
-        log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failed), batch, train,
-                 sync, timer, tally, skipped_steps, unscored_steps)
+        entry = log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failed), batch,
+                         train, sync, timer, tally, skipped_steps, unscored_steps)
         if skipped_steps > args.max_skipped_steps:
             raise UserError(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
                             f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. "
@@ -858,6 +966,21 @@ if __name__ == "__main__":
         if halt["sigterm"]:
             stopped = True
             break
+        if args.rebalance:
+            window.append(entry)
+            since_move += 1
+            move = decide_move(step, args, plan, window, since_move, move_cost_s)
+            restarts_left = int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) - int(
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if move.layout is not None and restarts_left < 1:
+                if rank == 0 and not warned_restarts:
+                    print(f"rebalance after step {step + 1}: {move.why}; not moving: torchrun has no restart "
+                          f"left (--max-restarts used up)", flush=True)
+                warned_restarts, move.layout = True, None
+            if move.layout is not None and rebalance_move(step, move, args, plan, actor, ema, stream, log,
+                                                          move_cost_s):
+                moving = stopped = True
+                break
     # `stopped` is the same on every rank (reduced), as it must be: the export is collective
     if args.save_final and not stopped:
         checkpoint.export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
@@ -865,7 +988,12 @@ if __name__ == "__main__":
         final_dir = None
         if args.save_final and not stopped:
             final_dir = os.path.join(args.run_dir, "final")
-        log.summary(final_dir, plot(args.run_dir))
+        if moving:
+            k = move.layout.rollout
+            print(f"moving: every rank stops; torchrun restarts them as {plan.layout.world - k} trainers + "
+                  f"{k} rollout ranks, resuming at step {step + 2}", flush=True)
+        else:
+            log.summary(final_dir, plot(args.run_dir))
         log.close()
-    engine.close()  # before the process group: vLLM built its own groups on it
-    dist.exit_now(0)
+    engine.close()  # before the process group: vLLM built its own groups on it; stops the rollout ranks
+    dist.exit_now(placement.MOVE_EXIT if moving else 0)

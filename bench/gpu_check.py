@@ -1,10 +1,10 @@
-"""One prepared GPU check (issue 3): bf16 GRPO steps on a random Qwen2.5-0.5B-shaped model
-(built from a config, nothing downloaded), native-engine decode tokens/s at batch 64, and
-peak GPU memory; then, where vLLM is installed (issue 18), colocate GRPO steps on a vLLM
-engine (sleep during training, wake for the update through the inproc weight transfer): the
-log-prob gap in bf16, the update seconds, and the device memory in use with the engine
-awake and asleep; vLLM's nccl backend (disaggregate) when there are two GPUs. Meant for one
-call on a lent H200, well under 8 minutes:
+"""One prepared GPU check (issue 3): bf16 GRPO steps on a random Qwen2.5-0.5B-shaped model (built
+from a config, nothing downloaded), native-engine decode tokens/s at batch 64, and peak GPU
+memory against the memory plan; the same steps with --compile (issue 20); then, where vLLM is
+installed (issue 18), colocate GRPO steps on a vLLM engine (sleep during training, wake for the
+update through the inproc weight transfer): the log-prob gap in bf16, the update seconds, and
+the device memory in use with the engine awake and asleep; vLLM's nccl backend (disaggregate)
+when there are two GPUs. Meant for one call on a lent H200, well under 8 minutes:
 
     python bench/gpu_check.py                 # on the GPU machine
     python bench/gpu_check.py --cpu-smoke     # the same code path, tiny shape, on CPU (CI-sized)
@@ -16,6 +16,7 @@ the device notes report). Train FLOPs = 6 * N * (prompt + completion tokens); de
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,23 @@ print(f"| {'train step s (median, 128 seqs)':<34} | {train_s:12.3f} |")
 print(f"| {'train-step MFU':<34} | {train_flops / train_s / roof:12.2%} |")
 print(f"| {'generate s in the GRPO step':<34} | {gen_s:12.3f} |")
 print(f"| {'peak memory GiB (GPU; RSS on CPU)':<34} | {peak:12.2f} |")
+said = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", p.stdout)
+said = float(said.group(2)) / (1024 if said.group(1) == "MiB" else 1)
+added = max(r["perf/peak_mem_added_gib"] for r in rows)
+print(f"| {'memory plan GiB (utils/memory.py)':<34} | {said:12.2f} |")
+print(f"| {'measured GiB over start-up':<34} | {added:12.2f} |")
+
+# --compile (issue 20): the same steps with each decoder block under torch.compile
+crun = os.path.join(path, "crun")
+ccmd = [*cmd[:cmd.index("--run-dir")], "--compile", "--run-dir", crun]
+p = subprocess.run(ccmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+if p.returncode:
+    sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
+crows = [r for r in map(json.loads, open(os.path.join(crun, "metrics.jsonl"))) if not r.get("final")]
+ctrain_s = sorted(r["perf/train_s"] for r in crows[1:])[len(crows[1:]) // 2]
+eager_first = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())["perf/train_s"]
+print(f"| {'--compile: first train s (eager)':<34} | {crows[0]['perf/train_s']:6.1f} ({eager_first:4.1f}) |")
+print(f"| {'--compile: train step s (median)':<34} | {ctrain_s:12.3f} |")
 
 
 # vLLM (issue 18): colocate GRPO steps on a vLLM engine, its memory awake and asleep, and nccl when it can

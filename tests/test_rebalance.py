@@ -2,7 +2,7 @@
 noise does not, a move that does not pay is not made, and no move leaves what `check` accepts."""
 import random
 
-from placement import Layout, rebalance
+from placement import Layout, rebalance, splits
 
 N = 4  # ranks
 
@@ -19,7 +19,8 @@ def window(trainer_busy, rollout_busy, steps=10, noise=0.0, seed=0):
 
 def decide(rows, rollout=1, staleness=1, cost=5.0, horizon=100, threshold=0.1, since=50, gap=20, prompts=12):
     layout = Layout("disaggregate", N, dp=N - rollout, rollout=rollout)
-    return rebalance(rows, layout, prompts, staleness, cost, horizon, threshold, since, gap)
+    fits = splits(N, prompts, staleness)
+    return rebalance(rows, layout, fits, staleness, cost, horizon, threshold, since, gap)
 
 
 def test_generation_bound_moves_a_trainer_to_rollout():
@@ -70,3 +71,122 @@ def test_on_policy_runs_add_the_sides():
     rows = [{"trainer_busy": 1.0, "rollout_busy": 3.0, "step_s": 4.0}] * 10
     move = decide(rows, staleness=0)
     assert (move.layout.dp, move.layout.rollout) == (2, 2) and abs(move.predicted_s - 3.0) < 1e-9
+
+
+# ---------------------------------------------------------------- the move, end to end
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+from test_fsdp import ROOT  # noqa: E402
+from test_train_grpo import metrics  # noqa: E402
+from utils.errors import UserError  # noqa: E402
+
+MOVE_RUN = ["--steps", "6", "--prompts-per-step", "12", "--num-generations", "4", "--eval-every", "0",
+            "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1", "--placement", "disaggregate",
+            "--rollout-ranks", "1"]
+FORCED = ["--rebalance", "--rebalance-force", "3", "2", "--rebalance-window", "1", "--rebalance-gap", "1"]
+
+
+def launch(args, run_dir, restarts=1, log=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           f"--max-restarts={restarts}", "train_grpo.py", *args, "--run-dir", run_dir]
+    out = open(log, "w") if log else subprocess.PIPE
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finished(p, timeout=300):
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out[-4000:]
+    return out
+
+
+def test_a_forced_move_carries_the_state_exactly_and_trains_on(tmp_path):
+    """4 ranks, on-policy: after step 3 the run moves from 3 trainers + 1 rollout rank to 2 + 2
+    (a checkpoint, the new layout, torchrun's restart). The digest of the full weights, Adam's
+    moments and the LR after the move equals the one before (the run checks it and logs
+    placement/move_state_equal; a mismatch would stop it), and it trains on to step 6. Against
+    the same run without the move: the same prompts, seeds and weights make every reward and
+    length identical; the losses and gradients of 2 trainers instead of 3 agree to 1e-4 (float
+    sums in another order); rows_trained counts each trainer's padded rows, so it follows the split."""
+    moved, still = str(tmp_path / "moved"), str(tmp_path / "still")
+    out = finished(launch([*MOVE_RUN, *FORCED], moved))
+    finished(launch(MOVE_RUN, still))
+    assert "rebalance after step 3 | 1 -> 2 rollout ranks: forced" in out, out[-3000:]
+    assert "resumed from" in out and "4 rank(s), disaggregate (2 trainer(s))" in out
+    state = json.load(open(os.path.join(moved, "placement.json")))
+    assert state["rollout_ranks"] == 2
+    assert [(m["step"], m["from"], m["to"]) for m in state["moves"]] == [(3, 1, 2)]
+    rows = metrics(moved)
+    events = [r for r in rows if r.get("event")]
+    assert [e["event"] for e in events] == ["placement/rebalance", "placement/moved"]
+    assert events[1]["placement/move_state_equal"] == 1.0 and events[1]["placement/move_s"] > 0
+    a = [r for r in metrics(still) if not r.get("event")]
+    b = [r for r in rows if not r.get("event")]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(6)) + [5]
+    for x, y in zip(a, b):
+        for k in x:
+            if k.startswith(("perf/", "placement/")) or k == "train/rows_trained":
+                continue
+            if k.startswith("rollout/") or k == "step":
+                assert x[k] == y[k], (x["step"], k, x[k], y[k])
+            else:
+                assert abs(x[k] - y[k]) <= 1e-4 * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
+
+
+def test_a_rank_that_dies_during_a_move_fails_the_job_and_the_checkpoint_resumes(tmp_path):
+    """The move's restart is torchrun's only one (--max-restarts 1): a rank of the new layout
+    killed while it starts fails the job (torchrun names the rank and the signal), and the move's
+    checkpoint and layout are intact: a new launch with --resume auto goes on from them."""
+    run, log = str(tmp_path / "run"), str(tmp_path / "out.log")
+    p = launch([*MOVE_RUN, *FORCED], run, log=log)
+    agent = psutil.Process(p.pid)
+    deadline = time.monotonic() + 240
+    victim = None
+    while victim is None:  # the restarted workers: kill rank 1 as soon as it is there
+        assert time.monotonic() < deadline and p.poll() is None, open(log).read()[-3000:]
+        for c in agent.children():
+            try:
+                env = c.environ()
+                if env.get("TORCHELASTIC_RESTART_COUNT") == "1" and env.get("RANK") == "1":
+                    victim = c
+            except psutil.Error:
+                continue
+        time.sleep(0.01)
+    victim.kill()
+    assert p.wait(timeout=240) != 0
+    out = open(log).read()
+    assert "rebalance after step 3" in out and "exitcode  : -9" in out, out[-3000:]
+    assert json.load(open(os.path.join(run, "placement.json")))["rollout_ranks"] == 2
+    again = finished(launch([*MOVE_RUN, "--rebalance", "--resume", "auto"], run))
+    assert "resumed from" in again and "step_00000003" in again, again[-3000:]
+    assert "4 rank(s), disaggregate (2 trainer(s))" in again and "final policy" in again
+
+
+def check(monkeypatch, restarts, *flags):
+    import tyro
+
+    from train_grpo import Args, check_args
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(restarts))
+    args = tyro.cli(Args, args=[*MOVE_RUN, *flags])
+    with pytest.raises(UserError) as e:
+        check_args(args, 4)
+    return str(e.value)
+
+
+def test_the_rebalance_flags_say_what_to_change(monkeypatch):
+    assert "add --placement disaggregate" in check(monkeypatch, 1, "--rebalance", "--placement", "colocate",
+                                                   "--rollout-ranks", "0")
+    assert "launch with torchrun --max-restarts N" in check(monkeypatch, 0, "--rebalance")
+    said = check(monkeypatch, 1, "--rebalance", "--rebalance-force", "3", "3")
+    assert "can move from 1 rollout ranks to [2]" in said
+    assert "it forces a --rebalance move" in check(monkeypatch, 1, "--rebalance-force", "3", "2")
+    assert "at least --rebalance-window" in check(monkeypatch, 1, "--rebalance", "--rebalance-gap", "2")

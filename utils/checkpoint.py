@@ -234,3 +234,29 @@ def resume(run_dir: str, how: str, actor, rank: int, critic=None) -> dict:
     if rank == 0:
         print(f"resumed from {path}: continuing at step {meta['step'] + 1}", flush=True)
     return meta
+
+
+def digest(actor) -> str:
+    """sha256 of the actor's full model and optimizer state (every tensor gathered whole, one at a
+    time, in name order) and its learning rate: the same on every trainer, and across a change
+    of sharding (a --rebalance move) only if the state came through exactly. Collective."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
+    h = hashlib.sha256()
+
+    def walk(prefix: str, value):
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(f"{prefix}/{key}", value[key])
+        elif isinstance(value, torch.Tensor):
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            h.update(prefix.encode())
+            h.update(full.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    walk("model", model_sd)
+    walk("optim", optim_sd["state"])
+    h.update(repr(actor.sched.get_last_lr()).encode())
+    return h.hexdigest()

@@ -54,6 +54,12 @@ class Logger:
         g = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"  # noqa: E731
         if m.get("final"):
             return f"final policy | eval {g('eval/accuracy')} | {elapsed:.0f}s in all"
+        if m.get("event") == "placement/rebalance":
+            return (f"rebalance after step {done} | {m['placement/rebalance_why']}; the move costs about "
+                    f"{g('placement/rebalance_cost_s', '{:.1f}')}s")
+        if m.get("event"):
+            shown = [f"{k} {v}" for k, v in m.items() if k not in ("step", "event")]
+            return f"{m['event']} | " + ", ".join(shown)
         critic = ""
         if "train/value_loss" in m:  # PPO: the critic's numbers and its phases
             critic = (f"| vloss {g('train/value_loss', '{:.4f}')} "
@@ -72,7 +78,7 @@ class Logger:
         phase's share of it, tokens/s, peak memory, and where the model and the picture are."""
         self.file.flush()
         rows = read_metrics(self.path)
-        steps = [r for r in rows if not r.get("final")]
+        steps = [r for r in rows if not r.get("final") and not r.get("event")]
         evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
         total_s = time.time() - self.start
         step_s = sum(r.get("perf/step_s", 0.0) for r in steps)
@@ -137,9 +143,12 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def without_timings(rows: list[dict]) -> list[dict]:
-    """The rows of a metrics file without its wall-clock keys (perf/, placement/)."""
+    """The rows of a metrics file without its wall-clock keys (perf/, placement/) and events
+    (a --rebalance move's)."""
     kept = []
     for row in rows:
+        if row.get("event"):
+            continue
         kept.append({k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)})
     return kept
 

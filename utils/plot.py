@@ -27,7 +27,7 @@ def plot(run_dir: str) -> str | None:
               f"python -m utils.plot {run_dir})", flush=True)
         return None
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    steps = [r for r in rows if not r.get("final")]
+    steps = [r for r in rows if not r.get("final") and not r.get("event")]
     if not steps:
         print(f"no picture of the run: {run_dir}/metrics.jsonl has no step yet", flush=True)
         return None
