@@ -49,3 +49,24 @@ def parity_reward(prompts, completions, **columns):
     import zlib
 
     return [float(zlib.crc32(c.encode()) % 2) for c in completions]
+
+
+def slowing_reward(prompts, completions, **columns):
+    """A scorer that gets slower as the run goes, like a remote verifier or judge whose queue fills:
+    each completion costs nothing until a share SLOW_FROM of the run's SLOW_COMPLETIONS completions
+    is scored, then up to SLOW_S seconds by the end, linearly (counted in the file $SLOW_FILE, which
+    every trainer appends to and which outlives a --rebalance restart). The time is slept, not
+    computed, as a remote scorer's would be, so that on a small CPU the trainers' growing work does
+    not take cores from the rollout ranks, and it scores every completion 0 (no group carries a
+    signal: the actor skips them), so that the trainers' work is the scorer's alone: the run goes
+    from generation-bound to training-bound."""
+    import time
+
+    path = os.environ["SLOW_FILE"]
+    with open(path, "ab") as f:
+        f.write(b"x" * len(completions))
+    done = os.path.getsize(path) / float(os.environ["SLOW_COMPLETIONS"])  # share of the run
+    start = float(os.environ.get("SLOW_FROM", "0"))
+    slowed = min(1.0, max(0.0, done - start) / (1 - start))
+    time.sleep(len(completions) * float(os.environ["SLOW_S"]) * slowed)
+    return [0.0] * len(completions)

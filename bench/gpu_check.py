@@ -151,7 +151,8 @@ if p.returncode:
 crows = [r for r in map(json.loads, open(os.path.join(crun, "metrics.jsonl"))) if not r.get("final")]
 ctrain_s = sorted(r["perf/train_s"] for r in crows[1:])[len(crows[1:]) // 2]
 eager_first = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())["perf/train_s"]
-print(f"| {'--compile: first train s (eager)':<34} | {crows[0]['perf/train_s']:6.1f} ({eager_first:4.1f}) |")
+first = f"{crows[0]['perf/train_s']:.1f} ({eager_first:.1f})"
+print(f"| {'--compile: first train s (eager)':<34} | {first:>12} |")
 print(f"| {'--compile: train step s (median)':<34} | {ctrain_s:12.3f} |")
 
 

@@ -141,6 +141,19 @@ def test_a_forced_move_carries_the_state_exactly_and_trains_on(tmp_path):
                 assert abs(x[k] - y[k]) <= 1e-4 * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
 
 
+def test_a_move_with_staleness_keeps_the_bound(tmp_path):
+    """--max-staleness 1: the prompts sent ahead of the move are generated again after it, by the
+    policy of the move's step, so the samples' ages (and so the metrics) differ from a run without
+    the move; what must hold is the bound, on every step, and the exact state."""
+    run = str(tmp_path / "run")
+    out = finished(launch([*MOVE_RUN, *FORCED, "--max-staleness", "1"], run))
+    rows = metrics(run)
+    steps = [r for r in rows if not r.get("event") and not r.get("final")]
+    assert len(steps) == 6 and all(r["placement/staleness_max"] <= 1 for r in steps), out[-3000:]
+    assert any(r["placement/staleness_max"] == 1 for r in steps)  # it did overlap
+    assert [r.get("placement/move_state_equal") for r in rows if r.get("event") == "placement/moved"] == [1.0]
+
+
 def test_a_rank_that_dies_during_a_move_fails_the_job_and_the_checkpoint_resumes(tmp_path):
     """The move's restart is torchrun's only one (--max-restarts 1): a rank of the new layout
     killed while it starts fails the job (torchrun names the rank and the signal), and the move's
