@@ -27,7 +27,7 @@ ap.add_argument("--steps", type=int, default=100)
 ap.add_argument("--slow-s", type=float, default=0.1, help="the scorer's seconds per completion at the end")
 ap.add_argument("--slow-from", type=float, default=0.5, help="the share of the run before the scorer slows")
 ap.add_argument("--max-new-tokens", type=int, default=160)
-ap.add_argument("--gap", type=int, default=50, help="--rebalance-gap: also the horizon a move must pay back in")
+ap.add_argument("--gap", type=int, default=50, help="--rebalance-gap: the horizon a move must pay back in")
 a = ap.parse_args()
 RUNS = [("static 3 + 1", ["--rollout-ranks", "1"]), ("static 2 + 2", ["--rollout-ranks", "2"]),
         ("dynamic from 2 + 2", ["--rollout-ranks", "2", "--rebalance", "--rebalance-window", "5",
