@@ -171,7 +171,8 @@ class ModelConfig:
     def num_params(self, embeddings: bool = True) -> int:
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings or self.scores else 2)
         head = self.hidden_size * self.num_labels if self.scores else 0
-        return self.num_hidden_layers * self.layer_params() + self.hidden_size + head + (emb if embeddings else 0)
+        body = self.num_hidden_layers * self.layer_params() + self.hidden_size + head
+        return body + (emb if embeddings else 0)
 
 
 def rope_frequencies(head_dim: int, theta: float, llama3: dict | None = None) -> torch.Tensor:
