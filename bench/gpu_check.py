@@ -16,7 +16,6 @@ the device notes report). Train FLOPs = 6 * N * (prompt + completion tokens); de
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from utils.engines import NativeEngine, SamplingParams  # noqa: E402
+from utils.memory import trainer_gib  # noqa: E402
 from utils.data import Tokenizer  # noqa: E402
 from utils.model import ModelConfig, build, flops_per_token, iter_checkpoint, save_model  # noqa: E402
 from utils.tiny import make_tokenizer  # noqa: E402
@@ -136,8 +136,7 @@ print(f"| {'train step s (median, 128 seqs)':<34} | {train_s:12.3f} |")
 print(f"| {'train-step MFU':<34} | {train_flops / train_s / roof:12.2%} |")
 print(f"| {'generate s in the GRPO step':<34} | {gen_s:12.3f} |")
 print(f"| {'peak memory GiB (GPU; RSS on CPU)':<34} | {peak:12.2f} |")
-said = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", p.stdout)
-said = float(said.group(2)) / (1024 if said.group(1) == "MiB" else 1)
+said = trainer_gib(p.stdout)
 added = max(r["perf/peak_mem_added_gib"] for r in rows)
 print(f"| {'memory plan GiB (utils/memory.py)':<34} | {said:12.2f} |")
 print(f"| {'measured GiB over start-up':<34} | {added:12.2f} |")

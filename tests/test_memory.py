@@ -7,14 +7,12 @@ measured growth between a small and a 54x larger model, same flags, same layout.
 freed heap memory for reuse, so the RSS peak would measure the allocator's history rather than
 the live tensors; MALLOC_MMAP_THRESHOLD_ makes every allocation over 64 KiB its own mapping,
 returned when freed."""
-import re
-
 import pytest
 
 from conftest import hf_checkpoint
 from test_fsdp import torchrun
 from test_train_grpo import metrics
-from utils.memory import GIB, Need, Workload, estimate
+from utils.memory import GIB, Need, Workload, estimate, trainer_gib
 from utils.model import ModelConfig
 
 TOLERANCE = 0.2  # of the measured growth
@@ -35,9 +33,8 @@ def measured(model, ranks, flags, run_dir):
     p = torchrun(ranks, "train_grpo.py", "--model", model, "--steps", "2", "--prompts-per-step", "4",
                  "--num-generations", "4", "--eval-every", "0", "--max-new-tokens", "48",
                  "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir)
-    said = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", p.stdout)
-    said = float(said.group(2)) / (1024 if said.group(1) == "MiB" else 1)
-    return said, max(r["perf/peak_mem_added_gib"] for r in metrics(run_dir) if not r.get("final"))
+    added = max(r["perf/peak_mem_added_gib"] for r in metrics(run_dir) if not r.get("final"))
+    return trainer_gib(p.stdout), added
 
 
 @pytest.mark.parametrize("ranks,flags", [

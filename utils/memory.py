@@ -24,9 +24,12 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
 - sync_buffers (disaggregate): trainer 0's and each rollout rank's two reusable buckets for the
   weight broadcast, of which the weights touch min(2 x --sync-bucket-mb, their size in p).
 """
+import re
 from dataclasses import dataclass, field
 
-from utils.model import ModelConfig
+import torch
+
+from utils.model import ModelConfig, read_config
 
 GIB = 2**30
 
@@ -141,10 +144,6 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
             critic: str | None = None) -> str:
     """The start-up line for a train script's flags (GRPO and PPO share these names); prompt_len:
     the longest prompt of the data, eval_rows: the held-out prompts generated at each eval."""
-    import torch
-
-    from utils.model import read_config
-
     rows = args.prompts_per_step // dp * args.num_generations
     judge = getattr(args, "judge_model", None)
     gpu_vllm = args.engine == "vllm" and device.type == "cuda"
@@ -160,3 +159,9 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
                  vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.sync_bucket_mb * 2**20),
                  device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0)
     return describe(estimate(cfg, mode, dp, rollout, w))
+
+
+def trainer_gib(printed: str) -> float:
+    """The trainer ranks' total, in GiB, from a run's output holding `describe`'s line."""
+    unit, total = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", printed).groups()
+    return float(total) / (1024 if unit == "MiB" else 1)
