@@ -79,13 +79,14 @@ def colocate_child(path: str, before: bool):
 
 def gloo_peer(port: int, path: str, bucket_bytes: int):
     """Our gloo backend's worker half without vLLM: what GlooWorkerEngine.receive_weights does (the
-    bucket plan, each bucket received into memory of its own), minus vLLM's load."""
+    bucket plan, each bucket received into memory no kept tensor uses, reused across updates), minus
+    vLLM's load."""
     specs = [(n, tuple(t.shape), t.dtype) for n, t in iter_checkpoint(path)]
     shapes = {n: s for n, s, _ in specs}
     group = dist.OwnGroup.connect("127.0.0.1", port, 1, 2, 300)
-    buckets = dist.plan_buckets(specs, bucket_bytes)
+    buckets, pool = dist.plan_buckets(specs, bucket_bytes), dist.KeptBuffers(torch.device("cpu"))
     for _ in range(a.reps + 1):
-        kept = list(dist.receive_buckets(buckets, shapes, 0, group, torch.device("cpu"), None))
+        kept = list(dist.receive_buckets(buckets, shapes, 0, group, torch.device("cpu"), pool))
         del kept
     sys.stdout.flush()
     os._exit(0)
@@ -191,7 +192,7 @@ def main():
         print(f"| {mb:>10g} | {alone[mb]:10.3f} | {gb / alone[mb]:5.2f} | {raw / alone[mb]:6.0%} | "
               f"{gloo[mb]:18.3f} | {gb / gloo[mb]:5.2f} | {raw / gloo[mb]:6.0%} |")
     print("\ntransfer s: our backend alone, trainer 0's GlooTrainerEngine to a plain process doing the "
-          "worker's receive (each bucket into memory of its own) without vLLM;")
+          "worker's receive (into memory no kept tensor uses, reused across updates) without vLLM;")
     print("update into vLLM s: start_weight_update, the bucketed broadcast received and loaded into vLLM's "
           "worker (layerwise reload, the CPU re-pack of each layer), finish_weight_update, as a rollout rank "
           "runs it; vs raw: the raw broadcast's rate over the update's")

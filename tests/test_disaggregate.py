@@ -15,7 +15,7 @@ from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
 import placement
-from utils.dist import plan_buckets
+from utils.dist import KeptBuffers, plan_buckets
 from utils.logger import differences
 from utils.tiny import random_checkpoint
 
@@ -53,6 +53,23 @@ def test_bucket_plan_covers_every_tensor_once_within_the_bound(bucket_bytes):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     if bucket_bytes >= 10**9:
         assert len(buckets) == 3  # fp32 a, b | bf16 c | fp32 d, e: a dtype change closes a bucket
+
+
+def test_kept_buffers_hand_memory_out_again_only_once_nothing_uses_it():
+    pool = KeptBuffers(torch.device("cpu"))
+    a = pool.take(torch.float32, 8)
+    kept = a[2:6].view(2, 2)  # a consumer keeps a view of it (vLLM's reload keeps a layer's weights)
+    del a
+    b = pool.take(torch.float32, 8)
+    assert b.data_ptr() != kept.data_ptr() - 2 * 4  # still in use: new memory
+    first = kept.data_ptr() - 2 * 4
+    del kept
+    c = pool.take(torch.float32, 8)
+    assert c.data_ptr() == first  # nothing uses it any more: the same memory again
+    assert pool.take(torch.float32, 8).data_ptr() not in (first, b.data_ptr())  # b and c are both held
+    assert pool.take(torch.bfloat16, 8).dtype == torch.bfloat16
+    del b, c
+    assert sum(len(v) for v in pool.free.values()) == 4  # three float32 buffers (at most alive at once), one bf16
 
 
 def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):

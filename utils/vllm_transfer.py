@@ -125,6 +125,7 @@ class GlooWorkerEngine(_Layerwise):
         rank = info.rank_offset + self.parallel_config.rank
         self.group = dist.OwnGroup.connect(info.master_address, info.master_port, rank, info.world_size,
                                            info.timeout_s)
+        self.kept = dist.KeptBuffers(self.device)
 
     def receive_weights(self, update: GlooUpdateInfo):
         specs = []
@@ -133,14 +134,14 @@ class GlooWorkerEngine(_Layerwise):
         buckets = dist.plan_buckets(specs, self.info.bucket_bytes)
         shapes = {name: shape for name, shape, _ in specs}
         try:
-            # each bucket in memory of its own, which the reload may keep (no copy)
-            self.load(dist.receive_buckets(buckets, shapes, 0, self.group, self.device, None), copy=False)
+            # each bucket in memory that the reload may keep (no copy), reused once it is done with it
+            self.load(dist.receive_buckets(buckets, shapes, 0, self.group, self.device, self.kept), copy=False)
         except RuntimeError as e:
             raise RuntimeError(f"trainer 0's weight broadcast broke off (the trainer died or hung): "
                                f"{str(e)[:200]}") from e
 
     def shutdown(self):
-        self.group = None
+        self.group = self.kept = None
 
 
 @dataclass
