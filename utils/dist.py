@@ -235,11 +235,6 @@ def one_thread():
 
 
 def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
-    with one_thread():
-        _broadcast_buckets(weights, buckets, src, group, device, bufs)
-
-
-def _broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
     """Sender side: copy the (name, tensor) stream, in plan order, into a bucket buffer and
     broadcast it; the next bucket is filled while the previous one is on the wire (two
     buffers). Extra memory: two buckets plus the tensor being copied."""
@@ -254,7 +249,8 @@ def _broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
                     raise RuntimeError(f"weight stream out of order: got {name}, the bucket plan expects "
                                        f"{piece}")
                 flat = tensor.detach().reshape(-1)
-            buf[off:off + stop - start].copy_(flat[start:stop])
+            with one_thread():  # not the stream's own work (an FSDP gather, say)
+                buf[off:off + stop - start].copy_(flat[start:stop])
             off += stop - start
         work = post(buf)
         if in_flight is not None:
