@@ -69,7 +69,8 @@ def test_kept_buffers_hand_memory_out_again_only_once_nothing_uses_it():
     assert pool.take(torch.float32, 8).data_ptr() not in (first, b.data_ptr())  # b and c are both held
     assert pool.take(torch.bfloat16, 8).dtype == torch.bfloat16
     del b, c
-    assert sum(len(v) for v in pool.free.values()) == 4  # three float32 buffers (at most alive at once), one bf16
+    # three float32 buffers (the most alive at once), one bf16
+    assert sum(len(v) for v in pool.free.values()) == 4
 
 
 def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):

@@ -303,7 +303,8 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs):
     def assembled(name, dtype):
         if name not in partial:
             total = math.prod(shapes[name])
-            partial[name] = kept.take(dtype, total) if kept else torch.empty(total, dtype=dtype, device=device)
+            own = kept.take(dtype, total) if kept else torch.empty(total, dtype=dtype, device=device)
+            partial[name] = own
         return partial[name]
 
     def receive(i):

@@ -135,7 +135,8 @@ class GlooWorkerEngine(_Layerwise):
         shapes = {name: shape for name, shape, _ in specs}
         try:
             # each bucket in memory that the reload may keep (no copy), reused once it is done with it
-            self.load(dist.receive_buckets(buckets, shapes, 0, self.group, self.device, self.kept), copy=False)
+            received = dist.receive_buckets(buckets, shapes, 0, self.group, self.device, self.kept)
+            self.load(received, copy=False)
         except RuntimeError as e:
             raise RuntimeError(f"trainer 0's weight broadcast broke off (the trainer died or hung): "
                                f"{str(e)[:200]}") from e
