@@ -106,6 +106,21 @@ PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own ch
     (["--rewards", "judge"], "the generative judge (--judge-model) is train_grpo.py's"),
 ]
 CASES = [("train_grpo.py", f, s) for f, s in CASES] + [("train_ppo.py", f, s) for f, s in PPO_CASES]
+# Through torchrun, end to end: the mistakes met after the process group (on every rank), the
+# parse failure, and one of each kind met before it. The rest of the before-the-group cases are
+# checked in this process (`check_args` and the model checkpoint, what the scripts run before
+# `dist.init`): the same message, without ~6 s of torchrun each.
+END_TO_END = {"--lr -1", "--learning-rate 1e-4", "--max-staleness 1", "--model {tmp}/truncated",
+              "--value-clip 0"}
+AFTER_GROUP = ("--dataset", "--rewards nonsense", "--rewards tests.",
+               "--rewards accuracy judge --judge-model")
+LAUNCHED = [c for c in CASES if " ".join(c[1]) in END_TO_END or " ".join(c[1]).startswith(AFTER_GROUP)]
+IN_PROCESS = [c for c in CASES if c not in LAUNCHED]
+
+
+def case_id(case):
+    script, flags, _ = case
+    return f"{script[6:9]} {' '.join(flags)[:40]}"
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +130,13 @@ def inputs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("script,flags,says", CASES, ids=[f"{s[6:9]} {' '.join(f)[:40]}" for s, f, _ in CASES])
+def fill(flags, says, inputs):
+    return [f.replace("{tmp}", str(inputs)) for f in flags], says.replace("{tmp}", str(inputs))
+
+
+@pytest.mark.parametrize("script,flags,says", LAUNCHED, ids=map(case_id, LAUNCHED))
 def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path):
-    flags = [f.replace("{tmp}", str(inputs)) for f in flags]
-    says = says.replace("{tmp}", str(inputs))
+    flags, says = fill(flags, says, inputs)
     ranks = 3 if "disaggregate" in flags else 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            script, *(TINY if script == "train_grpo.py" else PPO_TINY), "--run-dir", str(tmp_path / "run"), *flags]
@@ -129,6 +147,27 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and says in lines[0], out[-3000:]
     assert not OUR_FRAME.search(out), out[-3000:]  # no traceback from the workers
+
+
+@pytest.mark.parametrize("script,flags,says", IN_PROCESS, ids=map(case_id, IN_PROCESS))
+def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, says, inputs, tmp_path,
+                                                                monkeypatch):
+    import importlib
+
+    import tyro
+
+    from utils.data import Tokenizer
+    from utils.model import read_config
+
+    flags, says = fill(flags, says, inputs)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    train = importlib.import_module(script.removesuffix(".py"))
+    base = TINY if script == "train_grpo.py" else PPO_TINY
+    args = tyro.cli(train.Args, args=[*base, "--run-dir", str(tmp_path / "run"), *flags])
+    with pytest.raises(errors.UserError) as e:  # what the script runs before dist.init, in its order
+        train.check_args(args, 3 if "disaggregate" in flags else 2)
+        read_config(args.model), Tokenizer(args.model)
+    assert says in str(e.value)
 
 
 @pytest.mark.parametrize("debug", [False, True])
