@@ -299,22 +299,21 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs):
     kept = bufs if isinstance(bufs, KeptBuffers) else None
     if kept is None:
         bufs = _buffers(bufs, buckets, device)
+    own = kept.take if kept else lambda dtype, numel: torch.empty(numel, dtype=dtype, device=device)
 
     def assembled(name, dtype):
         if name not in partial:
-            total = math.prod(shapes[name])
-            own = kept.take(dtype, total) if kept else torch.empty(total, dtype=dtype, device=device)
-            partial[name] = own
+            partial[name] = own(dtype, math.prod(shapes[name]))
         return partial[name]
 
     def receive(i):
         dtype, numel, pieces = buckets[i]
-        (name, start, stop), = pieces[:1]
+        name, start, stop = pieces[0]
         if len(pieces) == 1 and stop - start < math.prod(shapes[name]):  # a slice of a tensor spanning
             direct.add(i)  # buckets: straight into its place, no copy
             landing[i] = assembled(name, dtype)[start:stop]
         else:
-            landing[i] = kept.take(dtype, numel) if kept else bufs[dtype][i % 2][:numel]
+            landing[i] = own(dtype, numel) if kept else bufs[dtype][i % 2][:numel]
         return post(landing[i])
 
     works = [receive(i) for i in range(min(2, len(buckets)))]
@@ -334,7 +333,7 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs):
                 yield name, partial.pop(name).view(shapes[name])
         del buf, chunk
         if i + 2 < len(buckets):
-            works.append(receive(i + 2))  # reusing: into this bucket's buffer, its tensors copied out
+            works.append(receive(i + 2))  # with a dict: into this bucket's buffer, its tensors copied out
 
 
 # ---- messages between roles (disaggregate): pickled objects over point-to-point send/recv ----
