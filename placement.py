@@ -23,8 +23,7 @@ when the rollout ranks run vLLM, straight into their vLLM workers through vLLM's
 weight-transfer layer (utils/vllm_transfer.py: our gloo backend on CPU, vLLM's nccl on GPU).
 """
 import datetime
-import json
-import os
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,9 +33,39 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from roles.rollout import RemoteEngine, leave
-from utils.engines import Engine
+from roles.rollout import RemoteEngine, agree_on_transfer
+from utils.engines import NoEngine
 from utils.errors import UserError
+
+
+@dataclass
+class PlacementArgs:
+    placement: Literal["colocate", "disaggregate", "partial"] = "colocate"
+    """colocate: every rank trains and generates, taking turns; disaggregate: --rollout-ranks ranks
+    only generate while the others only train; partial (train_grpo.py, with --judge-model): every
+    rank trains, and for the rollout the first --sampler-ranks sample while the others judge, at the
+    same time"""
+    sampler_ranks: int = 0
+    """partial: the first S ranks generate with the policy, the other world - S run the judge"""
+    rollout_ranks: int = 0
+    """disaggregate: the last K ranks generate (each serves (world - K) / K trainers)"""
+    max_staleness: int = 0
+    """disaggregate: generate up to this many steps ahead while training, so samples are up to this
+    many policy versions old (0: on-policy, the same run as colocate)"""
+    sync_bucket_mb: float = 64.0
+    """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
+
+    def check(self, world: int, prompts_per_step: int) -> "Layout":
+        """The flags' ranges, then the layout (`check`): no process group needed."""
+        from run import check_rules
+
+        check_rules(self, [
+            ("rollout_ranks", self.rollout_ranks >= 0, "0 (colocate) or more"),
+            ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "a positive size in MiB"),
+            ("sync_bucket_mb", self.sync_bucket_mb == 64.0 or self.placement == "disaggregate",
+             "it only applies to --placement disaggregate (drop it)")])
+        return check(self.placement, world, prompts_per_step, self.rollout_ranks, self.max_staleness,
+                     self.sampler_ranks)
 
 
 @dataclass
@@ -206,7 +235,7 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     in a child process with a world of its own (in-process, it would build its groups over the
     whole torchrun world, which the trainers never join); the native engine is the same either
     way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice; how the
-    rollout ranks take their weights is agreed here too (`_agree_on_transfer`)."""
+    rollout ranks take their weights is agreed here too (roles/rollout.py `agree_on_transfer`)."""
     if plan.mode == "colocate":
         return local_engine()
     if plan.mode == "partial":
@@ -217,70 +246,23 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
         engine = RemoteEngine(plan, weight_specs, bucket_bytes)
     else:
         engine = local_engine(own_process=True)
-    _agree_on_transfer(plan, engine, weight_specs, bucket_bytes)
+    agree_on_transfer(plan, engine, weight_specs, bucket_bytes)
     return engine
 
 
-def _agree_on_transfer(plan: Plan, engine, specs, bucket_bytes: int):
-    """disaggregate, once: the rollout ranks say how they take weights. A native engine takes
-    trainer 0's torch broadcast over the weight group; a vLLM engine (its core in a child
-    process) takes it through vLLM's weight-transfer layer, straight into its worker: trainer 0
-    opens that group (gloo on CPU, vLLM's nccl on GPU), sends its rendezvous to the rollout
-    ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
-    if plan.role == "trainer" and plan.rank != 0:
-        return  # only trainer 0 sends weights
-    try:
-        _open_transfer(plan, engine, specs, bucket_bytes)
-    except RuntimeError as e:
-        if plan.role == "rollout":  # trainer 0 stopped (on a mistake it reports, or it died): nothing to add
-            leave(engine, f"rollout rank {plan.rank}: trainer 0 went away before the first weights; stopping")
-        raise RuntimeError(f"the rollout ranks stopped answering while the weight transfer was set up: one "
-                           f"died or hung (see its output above); the last checkpoint is intact "
-                           f"({str(e)[:200]})") from e
-
-
-def _open_transfer(plan: Plan, engine, specs, bucket_bytes: int):
-    said = [getattr(engine, "backend", None)]  # a rollout rank's vLLM engine names its backend
-    dist.broadcast_object_list(said, src=plan.layout.dp, group=plan.weight_group)
-    if said[0] is None:
-        return
-    info = [None]
-    if plan.rank == 0:
-        from utils.vllm_transfer import TrainerEnd
-
-        end = TrainerEnd(said[0], specs, plan.layout.rollout, bucket_bytes, plan.timeout_s)
-        info = [end.worker_info(0)]
-    dist.broadcast_object_list(info, src=0, group=plan.weight_group)
-    if plan.rank == 0:
-        end.connect()  # returns once every rollout rank's worker has joined
-        engine.transfer = end
-    else:
-        engine.join_transfer({**info[0], "rank_offset": 1 + plan.rank - plan.layout.dp})
-
-
-class NoEngine(Engine):
-    """partial: a judge rank has no policy engine (its prompts go to its sampler); it takes part
-    in the weight gathers and drops what they produce."""
-
-    def load_weights(self, weights):
-        for _ in weights:
-            pass
-
-    def generate(self, prompts, params, seeds):
-        raise RuntimeError("a judge rank generates through its sampler (roles/judge.py judge_stream)")
-
-    def release(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def sync(plan: Plan, actor, engine, version: int) -> dict:
+def sync(plan: Plan, actor, engine, version: int, timer) -> dict:
     """Give the engine the actor's current full weights as policy `version` (the number of
-    optimizer steps behind them). The weights come from FSDP2 all-gathers, one block at a time,
-    in which every trainer takes part. Returns the seconds (all, and those spent gathering) and
-    the bytes moved."""
+    optimizer steps behind them), once it has answered every request sent ahead (disaggregate:
+    the rollout ranks serve in order; the `wait` phase). The weights come from FSDP2 all-gathers,
+    one block at a time, in which every trainer takes part. Returns the seconds (all, and those
+    spent gathering) and the bytes moved."""
+    with timer("wait"):
+        engine.collect()
+    with timer("sync"):
+        return _sync(plan, actor, engine, version)
+
+
+def _sync(plan: Plan, actor, engine, version: int) -> dict:
     t = time.perf_counter()
     stats = {"sync_gather_s": 0.0, "sync_bytes": 0}
     weights = _measured(actor.full_weights(), stats)
@@ -362,90 +344,18 @@ def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float, tally: dict 
             "rollout_idle": rollout_idle, "device_idle": device_idle}
 
 
-@dataclass
-class Move:
-    """A rebalancing decision: the layout to move to (None: stay) and the numbers behind it."""
-    layout: Layout | None
-    why: str
-    step_s: float = 0.0  # the window's mean step time now
-    predicted_s: float = 0.0  # the best other layout's predicted step time
-    gain_s: float = 0.0  # predicted seconds saved over the horizon, less the move's cost
-
-
-def splits(world: int, prompts_per_step: int, max_staleness: int) -> list[Layout]:
-    """Every disaggregated layout of `world` ranks that `check` accepts for this batch."""
-    fits = []
-    for k in range(1, world):
-        try:
-            fits.append(check("disaggregate", world, prompts_per_step, k, max_staleness))
-        except UserError:
-            continue
-    return fits
-
-
-def rebalance(window: list[dict], layout: Layout, fits: list[Layout], max_staleness: int,
-              move_cost_s: float, horizon: int, threshold: float, since_move: int, min_gap: int) -> Move:
-    """Where the ranks should be, from the last steps' reduced timings (the same numbers on every
-    rank, so every rank decides alike with no message). Disaggregate: a trainer rank's busy seconds
-    per step (`trainer_busy`, its mean over the trainers) times dp is the training work, a rollout
-    rank's (`rollout_busy`) times K the generation work; another split T' + K' = N runs the same
-    work in max(train / T', generate / K') per step when the two sides overlap (--max-staleness >=
-    1) and in their sum when they take turns (0). Moves when the best split of `fits` (`splits`,
-    less what the script refuses) is predicted faster by more than `threshold` (a share of the step)
-    and saves more than `move_cost_s` over the next `horizon` steps; else stays, saying why. Never
-    within `min_gap` steps of the last move (`since_move` steps ago), so that a move's own
-    disturbance cannot trigger the next one.
-    window: [{"trainer_busy", "rollout_busy", "step_s"}] per step."""
-    if layout.mode != "disaggregate":
-        return Move(None, f"{layout.mode} placement has no rollout ranks to move")
-    if since_move < min_gap:
-        return Move(None, f"{since_move} steps since the last move, under the minimum gap of {min_gap}")
-    n = len(window)
-    step_s = sum(w["step_s"] for w in window) / n
-    train = sum(w["trainer_busy"] for w in window) / n * layout.dp  # trainer-seconds per step
-    generate = sum(w["rollout_busy"] for w in window) / n * layout.rollout  # rollout-rank-seconds per step
-
-    def predicted(k: int) -> float:
-        sides = (train / (layout.world - k), generate / k)
-        return max(sides) if max_staleness else sum(sides)
-
-    others = [c for c in fits if c.rollout != layout.rollout]
-    best = min(others, key=lambda c: predicted(c.rollout), default=None)
-    if best is None:
-        return Move(None, "no other split fits the world and the batch", step_s)
-    faster = step_s - predicted(best.rollout)
-    gain = faster * horizon - move_cost_s
-    move = Move(None, "", step_s, predicted(best.rollout), gain)
-    if faster < threshold * step_s:
-        move.why = (f"{best.rollout} rollout ranks would save {faster / step_s:.0%} of a step, under the "
-                    f"threshold {threshold:.0%}")
-    elif gain <= 0:
-        move.why = (f"the move costs {move_cost_s:.0f}s, more than the {faster * horizon:.0f}s it saves over "
-                    f"{horizon} steps")
-    else:
-        move.layout, move.why = best, (f"{layout.rollout} -> {best.rollout} rollout ranks: {step_s:.2f}s -> "
-                                       f"{predicted(best.rollout):.2f}s per step predicted")
-    return move
-
-
-MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and each move's numbers
-MOVE_EXIT = 3  # a rank's exit code after a move: torchrun (--max-restarts) starts the new layout
-
-
-def moves(run_dir: str) -> dict:
-    """{"rollout_ranks": K, "moves": [...]} as the last move left it ({} before any)."""
-    path = os.path.join(run_dir, MOVES)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def record_move(run_dir: str, record: dict):
-    """Rank 0, after the move's checkpoint is complete: the new layout, written whole (a rename)."""
-    state = moves(run_dir)
-    state = {"rollout_ranks": record["to"], "moves": [*state.get("moves", []), record]}
-    tmp = os.path.join(run_dir, MOVES + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=1)
-    os.replace(tmp, os.path.join(run_dir, MOVES))
+def metrics(plan: Plan, total: dict, peak: dict) -> dict:
+    """The placement/ metrics from a step's reduced sums (phase_metrics' over the trainers) and
+    maxima: per role, the mean over the trainer ranks (partial: per sampler and per judge rank)."""
+    out = {}
+    for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
+        out[f"placement/{role}_s"] = total[role] / plan.dp
+    if plan.mode == "partial":
+        for role in ("sampler_busy", "sampler_idle"):
+            out[f"placement/{role}_s"] = total[role] / plan.layout.sampler
+        for role in ("judge_busy", "judge_idle"):
+            out[f"placement/{role}_s"] = total[role] / plan.layout.judge
+    out["placement/idle_share"] = total["device_idle"] / (plan.layout.world * peak["step_s"])
+    out["placement/staleness_max"] = peak["staleness"]
+    out["placement/staleness_mean"] = total["staleness"] / plan.dp
+    return out

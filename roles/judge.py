@@ -13,22 +13,22 @@ a CPU copy of its weights. A failure (generate raising, or a call past `timeout_
 scores of that call NaN: the trainer counts them in reward/failures; it never stops silently.
 `python -m utils.tiny --judge` builds assets/judge-tiny, a tiny judge of the built-in task.
 
-With --placement partial the judge ranks run `judge_stream` each rollout, judging the chunks
-their samplers stream to them (roles/rollout.py `sample_and_stream` is the other half).
+With --placement partial the judge ranks judge the chunks their samplers stream to them
+(rollouts.py `Streamed`, both halves).
 """
+import math
 import os
 import random
 import re
 import signal
 import string
 import threading
-import time
+from dataclasses import dataclass
 
 import torch
 
-from utils import dist
 from utils.data import Tokenizer, dataset_columns, per_sample
-from utils.engines import Samples, SamplingParams, make_engine
+from utils.engines import SamplingParams, make_engine
 from utils.errors import UserError
 
 MARKER = "Is the answer correct (Yes/No)?"
@@ -40,6 +40,51 @@ DEFAULT_TEMPLATE = ("You are a math teacher. Grade the answer.\nProblem: {prompt
 STRICT = re.compile(r"(yes|no)[.!]?", re.IGNORECASE)
 WORD = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 CHOICE = re.compile(r"yes\s*/\s*no", re.IGNORECASE)  # "(Yes/No)" restated is no verdict
+
+
+@dataclass
+class JudgeArgs:
+    judge_model: str | None = None
+    """a generative judge, any HF causal checkpoint (assets/judge-tiny for the built-in task): the `judge`
+    term of --rewards, +1 for each verdict yes and -1 for no, averaged over --judge-samples"""
+    judge_template: str | None = None
+    """the judge's prompt, a str.format (or jinja) string or a file holding one, with the fields prompt,
+    completion and any dataset column (default: roles.judge.DEFAULT_TEMPLATE, ending in 'Verification: Is
+    the answer correct (Yes/No)?')"""
+    judge_samples: int = 4
+    """verdicts sampled per completion and averaged (G-Core's script: 8)"""
+    judge_temperature: float = 0.7
+    """the judge's sampling temperature (G-Core's: 0.7)"""
+    judge_max_new_tokens: int = 4
+    """the length limit of a verdict"""
+    judge_chunk: int = 2
+    """partial: prompts per chunk that a sampler streams to its judge as soon as they are generated"""
+
+    def check(self, args):
+        """The flags, then (a hub id becomes its snapshot) the checkpoint and the template."""
+        from run import check_rules
+        from utils.model import local_dir
+
+        check_rules(self, [
+            ("judge_model", (self.judge_model is None) == ("judge" not in args.reward.rewards),
+             "a judge together with the `judge` term of --rewards (say both, or neither)"),
+            ("judge_model", self.judge_model is not None or args.layout.placement != "partial",
+             "a judge: --placement partial splits the policy's ranks between a sampler and a judge"),
+            ("judge_samples", self.judge_samples >= 1, "1 or more"),
+            ("judge_temperature", 0 <= self.judge_temperature < math.inf, "0 (greedy) or a positive number"),
+            ("judge_max_new_tokens", self.judge_max_new_tokens >= 1, "1 or more"),
+            ("judge_chunk", self.judge_chunk >= 1, "1 or more prompts")])
+        if self.judge_model:
+            self.judge_model = local_dir(self.judge_model, "--judge-model")
+            check(self.judge_model, self.judge_template)
+
+
+def metrics(total: dict, peak: dict) -> dict:
+    """The judge's metrics from a step's reduced sums and maxima: verdicts that did not parse
+    (they count 0), and its time."""
+    return {"reward/judge_unparsed": total["judge_unparsed"],
+            "reward/judge_unparsed_share": total["judge_unparsed"] / max(1.0, total["judge_verdicts"]),
+            "perf/judge_s": peak["judge_s"], "perf/rollout_judge_s": peak["rollout_judge_s"]}
 
 
 def read_template(value: str | None) -> str:
@@ -214,6 +259,19 @@ def make_judge(path: str, kind: str, device, dtype, max_model_len: int, seed: in
                  timeout_s, max_model_len)
 
 
+def for_run(args, plan, rows, device, dtype, max_len: int):
+    """The judge of a train script's --judge-model (None without one): on every trainer rank
+    (partial: only the judge ranks), its template checked against the dataset's columns."""
+    cfg = args.judge
+    if not cfg.judge_model or (plan.mode == "partial" and plan.sampler):
+        return None
+    judge_len = max_len + 512 + cfg.judge_max_new_tokens  # the template's own words: under 512 tokens
+    judge = make_judge(cfg.judge_model, args.engine, device, dtype, judge_len, args.run.seed, cfg.judge_template,
+                       cfg.judge_samples, cfg.judge_temperature, cfg.judge_max_new_tokens, args.reward.reward_timeout_s)
+    check_template(judge.template, [*dataset_columns(rows[:1], 1), "finish_reason"])
+    return judge
+
+
 def verdict_seeds(prompt_seeds: list[int], n: int) -> list[int]:
     """One judge seed per completion (prompt-major, n per prompt), from its prompt's sampling
     seed: the verdicts then do not depend on which rank judges, nor on the chunking."""
@@ -228,55 +286,6 @@ def judge_chunk(judge, rows, seeds, samples, n: int):
     columns["finish_reason"] = samples.finish_reasons
     prompts = per_sample([r["prompt"] for r in rows], n)
     return judge.score(prompts, samples.texts, columns, verdict_seeds(seeds, n))
-
-
-def judge_stream(plan, judge, rows, seeds, n: int):
-    """A judge rank's part of one partial-placement rollout (`roles.rollout.sample_and_stream`
-    is the other part, on the sampler ranks, at the same time).
-
-    Sends: its own prompts (`rows`, `seeds`) to its sampler, first.
-    Consumes: `Chunk`s from each sampler, in that sampler's send order: the sampler's own
-      prompts' chunks dealt to this rank (when it is among `judges_of` the sampler), then this
-      rank's own; each stream ends with a chunk marked `last`.
-    Does: judges each chunk as it lands (the judge's weights loaded for the rollout, released
-      after it, as a colocated engine's are) and sends a sampler's scores straight back.
-    Produces: (its own Samples, their judge scores [N], busy seconds judging, the completions it
-      judged and their unparsed verdicts)."""
-    from roles.rollout import Prompts
-
-    layout, me = plan.layout, plan.rank
-    sent = dist.isend_obj(Prompts([r["ids"] for r in rows], seeds), layout.sampler_of(me))
-    judge.load()
-    mine, scores, busy, taken = [], [], 0.0, 0
-    judged_count, unparsed = 0, 0
-    for sampler in range(layout.sampler):
-        owners = []
-        if me in layout.judges_of(sampler):
-            owners.append(sampler)
-        if layout.sampler_of(me) == sampler:
-            owners.append(me)
-        for owner in owners:
-            while True:
-                chunk = dist.recv_or_fail(sampler, "its sampler's samples")
-                t = time.perf_counter()
-                chunk_rows = chunk.rows
-                if owner == me:
-                    chunk_rows = rows[taken:taken + len(chunk.seeds)]
-                    taken += len(chunk.seeds)
-                judged, missed = judge_chunk(judge, chunk_rows, chunk.seeds, chunk.samples, n)
-                busy += time.perf_counter() - t
-                judged_count += len(judged)
-                unparsed += missed
-                if owner == me:
-                    mine.append(chunk.samples)
-                    scores.append(judged)
-                else:
-                    sent += dist.isend_obj(judged, owner)
-                if chunk.last:
-                    break
-    judge.release()
-    dist.wait_all(sent)
-    return Samples.cat(mine), torch.cat(scores), busy, judged_count, unparsed
 
 
 def check(path: str, template: str | None):

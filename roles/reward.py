@@ -20,17 +20,16 @@ so that is a clear error instead.
 import functools
 import importlib
 import math
-import os
 import re
-import resource
 import signal
-import subprocess
-import sys
-import tempfile
+from dataclasses import dataclass
 
 import torch
 
+from utils import algos
+from utils.data import dataset_columns, make_batch, per_sample
 from utils.errors import UserError
+from utils.sandbox import check_sandbox, run_sandboxed
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -81,47 +80,6 @@ def format_ok(prompts, completions, finish_reason, **_):
 CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
 
 
-def _limits(memory_mb: int, cpu_s: int):
-    """Runs in the child between fork and exec: its own session, memory and CPU caps."""
-    def apply():
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
-
-
-def run_sandboxed(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> bool:
-    """True if `code` runs to a clean exit inside the limits. util-linux's unshare(1) gives it
-    a network namespace with nothing in it and a PID namespace of its own (it is PID 1 there
-    and cannot see, signal or ptrace the trainer); rlimits cap memory and CPU; a wall-clock
-    limit kills it. Whatever the code does, this process only sees a failed or killed child."""
-    sandbox = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
-    if os.getuid() != 0:  # unprivileged: a user namespace grants the right to make the others
-        sandbox[1:1] = ["--user", "--map-root-user"]
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "main.py"), "w") as f:
-            f.write(code)
-        p = subprocess.Popen([*sandbox, sys.executable, "-I", "main.py"], cwd=tmp, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={"PATH": "/usr/bin:/bin"}, preexec_fn=_limits(memory_mb, int(timeout_s) + 1))
-        try:
-            return p.wait(timeout=timeout_s) == 0
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # the child's whole session: its own children too
-            p.wait()
-            return False
-
-
-def check_sandbox():
-    """Fails early, with the reason, where the sandbox cannot be built (no unshare(1), or no
-    user namespaces for an unprivileged user)."""
-    if not run_sandboxed("pass", timeout_s=30):
-        raise UserError("the code reward's sandbox does not start here: it needs util-linux's `unshare` "
-                        "and root or unprivileged user namespaces "
-                        "(sysctl kernel.unprivileged_userns_clone=1)")
-
-
 def code_passes(prompts, completions, tests, timeout_s=5.0, memory_mb=512, **_):
     out = []
     for c, t in zip(completions, tests):
@@ -144,6 +102,114 @@ def resolve(name: str):
         return getattr(importlib.import_module(module), fn)
     except Exception as e:  # not found, or the module itself fails on import (a SyntaxError too)
         raise UserError(f"reward {name!r} could not be loaded: {type(e).__name__}: {e}") from None
+
+
+@dataclass
+class RewardArgs:
+    rewards: tuple[str, ...] = ("accuracy",)
+    """reward terms: accuracy, format, code, rm (the --reward-model), judge (the --judge-model,
+    train_grpo.py), or module:function (fn(prompts, completions, **columns))"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward term (default: all 1)"""
+    reward_model: str | None = None
+    """a Bradley-Terry reward model (a HF ...ForSequenceClassification checkpoint with the policy's
+    tokenizer; train_rm.py trains one): the `rm` term of --rewards"""
+    reward_timeout_s: float = 60.0
+    """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
+    code_timeout_s: float = 5.0
+    """the code reward's wall-clock limit per completion (sandboxed process)"""
+    code_memory_mb: int = 512
+    """the code reward's memory limit per completion"""
+
+    def check(self, data):
+        """The flags, then (a hub id becomes its snapshot) the reward model's checkpoint."""
+        from roles import reward_model
+        from run import check_rules
+        from utils.model import local_dir
+
+        check_rules(self, [
+            ("rewards", len(self.rewards) >= 1, "at least one reward term"),
+            ("reward_weights", len(self.reward_weights) in (0, len(self.rewards)),
+             f"one weight per --rewards term ({len(self.rewards)}), or none"),
+            ("reward_model", (self.reward_model is None) == ("rm" not in self.rewards),
+             "a reward model together with the `rm` term of --rewards (say both, or neither)"),
+            ("reward_timeout_s", self.reward_timeout_s > 0, "a positive number of seconds"),
+            ("code_timeout_s", self.code_timeout_s > 0, "a positive number of seconds"),
+            ("code_memory_mb", self.code_memory_mb >= 32, "32 or more")])
+        if "accuracy" in self.rewards and data.answer_column is None:
+            raise UserError("--rewards accuracy compares each completion with the row's answer: pass "
+                            "--answer-column, or use other --rewards")
+        if self.reward_model:
+            self.reward_model = local_dir(self.reward_model, "--reward-model")
+            reward_model.check(self.reward_model, data.model)
+
+
+@dataclass
+class OverlongArgs:
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: the reward falls linearly by up to --overlong-penalty over the last
+    this many tokens before --max-new-tokens (0: off)"""
+    overlong_penalty: float = 1.0
+    """DAPO's soft overlong penalty: the reward lost by a completion that reaches --max-new-tokens"""
+    mask_truncated: bool = False
+    """completions cut off at --max-new-tokens leave the loss (DAPO's overlong filtering)"""
+
+    def check(self, max_new_tokens: int):
+        from run import check_rules
+
+        check_rules(self, [
+            ("overlong_buffer", 0 <= self.overlong_buffer <= max_new_tokens,
+             f"0 (off) or a number of tokens up to --max-new-tokens ({max_new_tokens})"),
+            ("overlong_penalty", 0 <= self.overlong_penalty < math.inf, "0 or more")])
+
+
+class Scorer:
+    """This controller's rewards of its own samples: the reward model on their token ids, the
+    judge on their text (unless the partial placement judged them already), then the reward
+    terms, plus DAPO's overlong penalty (--overlong-buffer)."""
+
+    def __init__(self, cfg: RewardArgs, rm, judge, pad_id: int, device, max_new_tokens: int,
+                 overlong: OverlongArgs | None = None):
+        self.names, self.rm, self.judge, self.pad_id, self.device = cfg.rewards, rm, judge, pad_id, device
+        self.max_new_tokens, self.overlong = max_new_tokens, overlong or OverlongArgs()
+        self.reward = Reward(cfg.rewards, cfg.reward_weights, cfg.reward_timeout_s, cfg.code_timeout_s,
+                             cfg.code_memory_mb)
+
+    def score(self, rows, seeds, out, judged, n: int, timer, tally: dict):
+        """rows, seeds: one per prompt; out: n samples each; judged [N] or None. Returns
+        (rewards [N], {term: [N]}, failed [N] bool: no reward)."""
+        from roles.judge import judge_chunk
+
+        if self.judge and judged is None:
+            with timer("judge"):
+                self.judge.load()
+                judged, unparsed = judge_chunk(self.judge, rows, seeds, out, n)  # [N]
+                self.judge.release()
+            tally["judge_unparsed"] += unparsed
+            tally["judge_verdicts"] += self.judge.params.n * len(out.texts)
+        rm_scores = None
+        if self.rm:
+            with timer("reward_model"):
+                batch = make_batch(per_sample([r["ids"] for r in rows], n), out.tokens, out.lengths, self.pad_id,
+                                   self.device)
+                rm_scores = self.rm.score(batch)  # [N]
+        with timer("reward"):
+            columns = dataset_columns(rows, n)  # answer and the rest, one value per completion
+            columns["finish_reason"] = out.finish_reasons
+            prompts = per_sample([r["prompt"] for r in rows], n)
+            rewards, parts, failed = self.reward.score(prompts, out.texts, columns, rm_scores, judged)
+            cfg = self.overlong
+            if cfg.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
+                penalty = algos.overlong_penalty(out.lengths, self.max_new_tokens, cfg.overlong_buffer,
+                                                 cfg.overlong_penalty)  # [N]
+                parts["overlong"] = penalty * ~failed
+                rewards = rewards + parts["overlong"]
+        return rewards, parts, failed
+
+    def last_failure(self) -> str:
+        if self.judge and self.judge.last_error:
+            return f"the judge: {self.judge.last_error}"
+        return self.reward.last_failure()
 
 
 class Reward:

@@ -7,8 +7,8 @@ sends (utils/dist.py); the weights themselves never travel as messages but as a 
 broadcast from trainer 0: over the weight group into a native engine, or through vLLM's
 weight-transfer layer straight into a vLLM engine's worker (utils/vllm_transfer.py).
 
-partial: the sampler ranks, which also train, generate their own prompts and their judge
-ranks' (`sample_and_stream`), streaming finished chunks to the judge (roles/judge.py).
+`agree_on_transfer` settles, once, how the rollout ranks take weights. (partial placement's
+sampler and judge halves are rollouts.py's `Streamed`.)
 """
 import signal
 import sys
@@ -223,66 +223,38 @@ def receive(plan, engine, msg: Weights, bufs: dict):
     engine.load_weights(dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs))
 
 
-# ---- partial placement: the sampler ranks' part of a rollout (the judge's is roles/judge.py)
-
-@dataclass
-class Prompts:
-    """A judge rank's own prompts of this wave, sent to the sampler that generates them."""
-    ids: list[list[int]]
-    seeds: list[int]
-
-
-@dataclass
-class Chunk:
-    """Samples of up to --judge-chunk of `owner`'s prompts, on their way to its judge; `rows`
-    (prompt text and dataset columns, for the judge's template) travel only for a sampler's
-    own prompts: a judge rank has its own. `last`: the owner's final chunk of this wave."""
-    owner: int
-    rows: list[dict]
-    seeds: list[int]
-    samples: Samples
-    last: bool
+def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
+    """disaggregate, once: the rollout ranks say how they take weights. A native engine takes
+    trainer 0's torch broadcast over the weight group; a vLLM engine (its core in a child
+    process) takes it through vLLM's weight-transfer layer, straight into its worker: trainer 0
+    opens that group (gloo on CPU, vLLM's nccl on GPU), sends its rendezvous to the rollout
+    ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
+    if plan.role == "trainer" and plan.rank != 0:
+        return  # only trainer 0 sends weights
+    try:
+        _open_transfer(plan, engine, specs, bucket_bytes)
+    except RuntimeError as e:
+        if plan.role == "rollout":  # trainer 0 stopped (on a mistake it reports, or it died): nothing to add
+            leave(engine, f"rollout rank {plan.rank}: trainer 0 went away before the first weights; stopping")
+        raise RuntimeError(f"the rollout ranks stopped answering while the weight transfer was set up: one "
+                           f"died or hung (see its output above); the last checkpoint is intact "
+                           f"({str(e)[:200]})") from e
 
 
-def sample_and_stream(plan, engine, rows, seeds, params, chunk: int):
-    """A sampler rank's part of one partial-placement rollout (`roles.judge.judge_stream` is
-    the other part, on the judge ranks, at the same time).
+def _open_transfer(plan, engine, specs, bucket_bytes: int):
+    said = [getattr(engine, "backend", None)]  # a rollout rank's vLLM engine names its backend
+    torch.distributed.broadcast_object_list(said, src=plan.layout.dp, group=plan.weight_group)
+    if said[0] is None:
+        return
+    info = [None]
+    if plan.rank == 0:
+        from utils.vllm_transfer import TrainerEnd
 
-    Consumes: a `Prompts` message from each judge rank it generates for (those with
-      plan.layout.sampler_of(j) == this rank), then its own `rows` and `seeds`.
-    Does: generates its own prompts, then theirs, `chunk` prompts at a time, and sends each
-      finished chunk at once (non-blocking) to a judge, so that judging overlaps the rest of
-      the generation: its own chunks dealt in turn among `judges_of(this rank)` (each of them
-      gets at least an empty one, whose `last` closes its stream), a judge rank's to itself.
-    Waits for: the judges' scores of its own chunks, after the last chunk is sent.
-    Produces: (its own Samples, their judge scores [N], busy seconds generating)."""
-    layout, me = plan.layout, plan.rank
-    judges = layout.judges_of(me)
-    ids = [r["ids"] for r in rows]
-    starts = list(range(0, len(ids), chunk))
-    count = max(len(starts), len(judges))  # own chunks sent, empty ones included
-    sent, mine, busy = [], [], 0.0
-    for k in range(count):
-        out, part, part_seeds = Samples.empty(engine.version), [], []
-        if k < len(starts):
-            part, part_seeds = rows[starts[k]:starts[k] + chunk], seeds[starts[k]:starts[k] + chunk]
-            t = time.perf_counter()
-            out = engine.generate(ids[starts[k]:starts[k] + chunk], params, part_seeds)
-            busy += time.perf_counter() - t
-        last = k + len(judges) >= count  # this judge's final chunk of this share
-        sent += dist.isend_obj(Chunk(me, part, part_seeds, out, last), judges[k % len(judges)])
-        mine.append(out)
-    for j in range(layout.sampler, layout.world):  # the judge ranks' prompts, each back to its owner
-        if layout.sampler_of(j) != me:
-            continue
-        msg = dist.recv_or_fail(j, "its judge rank's prompts")
-        for k in range(0, max(1, len(msg.ids)), chunk):  # an empty share still sends its (empty) last chunk
-            t = time.perf_counter()
-            out = engine.generate(msg.ids[k:k + chunk], params, msg.seeds[k:k + chunk])
-            busy += time.perf_counter() - t
-            sent += dist.isend_obj(Chunk(j, [], msg.seeds[k:k + chunk], out, k + chunk >= len(msg.ids)), j)
-    judged = []
-    for k in range(count):
-        judged.append(dist.recv_or_fail(judges[k % len(judges)], "the judge's scores"))
-    dist.wait_all(sent)
-    return Samples.cat(mine), torch.cat(judged), busy
+        end = TrainerEnd(said[0], specs, plan.layout.rollout, bucket_bytes, plan.timeout_s)
+        info = [end.worker_info(0)]
+    torch.distributed.broadcast_object_list(info, src=0, group=plan.weight_group)
+    if plan.rank == 0:
+        end.connect()  # returns once every rollout rank's worker has joined
+        engine.transfer = end
+    else:
+        engine.join_transfer({**info[0], "rank_offset": 1 + plan.rank - plan.layout.dp})

@@ -286,3 +286,53 @@ def sampling_ema(ema: float, generated: int, informative: int, decay: float, max
     else:
         current = min(generated / informative, max_ratio)
     return decay * ema + (1 - decay) * current
+
+
+# ---- the menu: --policy-loss and --advantage choices beyond GRPO's own (which train_grpo.py writes out).
+# Plain dicts of adapters from the script's batch and flags to the functions above.
+
+POLICY_LOSSES = {  # (logp, old_logp, adv, mask [n, T] each, args) -> (loss, clipped) [n, T]
+    "dual_clip": lambda logp, old, adv, mask, a: dual_clip_surrogate(logp, old, adv, a.clip_low, a.clip_high,
+                                                                     a.dual_clip_c),
+    "gspo": lambda logp, old, adv, mask, a: gspo_surrogate(logp, old, adv, mask, a.gspo_clip_low, a.gspo_clip_high),
+    "cispo": lambda logp, old, adv, mask, a: cispo_loss(logp, old, adv, a.clip_low, a.clip_high),
+}
+
+
+def _per_completion(adv, mask):
+    """One advantage per completion [N] -> at each of its tokens [N, T]."""
+    return adv.reshape(-1, 1).to(mask.device).expand_as(mask)
+
+
+def _rloo(got, batch, args, reduce_sum):
+    n = args.num_generations
+    return _per_completion(rloo_advantages(got.rewards.view(-1, n), got.scored.view(-1, n)), batch["loss_mask"])
+
+
+def _remax(got, batch, args, reduce_sum):
+    adv = (got.rewards - got.baseline.repeat_interleave(args.num_generations)) * got.scored  # [N]
+    return _per_completion(adv, batch["loss_mask"])
+
+
+def _reinforce_pp(got, batch, args, reduce_sum):
+    """REINFORCE++ (Hu et al. 2025): the KL to the reference in the per-token reward, returns whitened
+    over the whole batch (`reduce_sum` all-reduces the moments over the trainers); _baseline: the
+    group's mean over its scored samples subtracted first."""
+    n, mask, rewards, scored = args.num_generations, batch["loss_mask"], got.rewards, got.scored  # mask [N, T]
+    baseline = None
+    if args.advantage == "reinforce++_baseline":
+        kept = torch.where(scored, rewards, 0.0).view(-1, n)  # [G, n]
+        mean = kept.sum(-1) / scored.view(-1, n).sum(-1).clamp(min=1)  # [G]
+        baseline = mean.repeat_interleave(n).to(mask.device)  # [N]
+    kl = torch.zeros_like(mask)  # [N, T]
+    if "ref_logp" in batch:
+        kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask
+    returns = reinforce_pp_returns(rewards.to(mask.device), kl, mask, args.kl_coef, baseline)  # [N, T]
+    moments = torch.stack(masked_moments(returns, mask))  # [3]: sum, sum of squares, count
+    reduce_sum(moments)
+    return whiten(returns, mask, *moments)
+
+
+ADVANTAGES = {  # (rollout, batch, args, reduce_sum) -> adv [N, T]
+    "rloo": _rloo, "remax": _remax, "reinforce++": _reinforce_pp, "reinforce++_baseline": _reinforce_pp,
+}

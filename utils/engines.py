@@ -76,6 +76,24 @@ class Engine:
         pass
 
 
+class NoEngine(Engine):
+    """partial: a judge rank has no policy engine (its prompts go to its sampler); it takes part
+    in the weight gathers and drops what they produce."""
+
+    def load_weights(self, weights):
+        for _ in weights:
+            pass
+
+    def generate(self, prompts, params, seeds):
+        raise RuntimeError("a judge rank generates through its sampler (roles/judge.py judge_stream)")
+
+    def release(self):
+        pass
+
+    def close(self):
+        pass
+
+
 class NativeEngine(Engine):
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype

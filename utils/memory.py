@@ -145,18 +145,19 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
     """The start-up line for a train script's flags (GRPO and PPO share these names); prompt_len:
     the longest prompt of the data, eval_rows: the held-out prompts generated at each eval."""
     rows = args.prompts_per_step // dp * args.num_generations
-    judge = getattr(args, "judge_model", None)
+    judge_args = getattr(args, "judge", None)  # train_grpo.py's
+    judge = judge_args.judge_model if judge_args else None
     gpu_vllm = args.engine == "vllm" and device.type == "cuda"
     value = read_config(critic) if critic else None  # a value model: one score per token
     value = value if value is None or value.scores else value.with_score_head(1)
     w = Workload(param_bytes=2 if args.param_dtype == "bfloat16" else 4, micro_batch=args.micro_batch_size,
                  prompt_len=prompt_len, new_tokens=args.max_new_tokens, rows=rows,
                  gen_rows=max(rows, -(-eval_rows // dp)), reference=args.kl_coef > 0, critic=value,
-                 reward_model=read_config(args.reward_model) if args.reward_model else None,
+                 reward_model=read_config(args.reward.reward_model) if args.reward.reward_model else None,
                  judge=read_config(judge) if judge else None,
                  judge_len=prompt_len + args.max_new_tokens + 512  # the judge template's own words
-                 + getattr(args, "judge_max_new_tokens", 0),
-                 vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.sync_bucket_mb * 2**20),
+                 + (judge_args.judge_max_new_tokens if judge_args else 0),
+                 vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.layout.sync_bucket_mb * 2**20),
                  device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0)
     return describe(estimate(cfg, mode, dp, rollout, w))
 

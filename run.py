@@ -1,0 +1,254 @@
+"""What every train script does around its algorithm (CleanRL's "try not to modify" part):
+the flags every run shares, set-up, the held-out evaluation, and `Run`: resume, the end of a
+step (the agreed stop, the NaN and unscored guards, HF exports, checkpoints, SIGTERM) and the
+finish (the final evaluation, the export, the summary). train_grpo.py and train_ppo.py use all
+of it, train_rm.py the set-up; the algorithm itself stays in each script.
+"""
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Annotated, TypeVar
+
+import torch
+import tyro
+
+import placement
+from utils import checkpoint, dist, errors
+from utils.data import BUILTIN, Tokenizer, eval_source, load_rows, prompt_seed, tokenize_rows
+from utils.engines import SamplingParams, Samples
+from utils.errors import UserError
+from utils.logger import Logger, Timer
+from utils.model import check_checkpoint, local_dir, read_config
+from utils.plot import plot
+
+MAX = torch.distributed.ReduceOp.MAX
+T = TypeVar("T")
+# a component's flags, nested in a script's Args under their own names (no prefix): Flat[JudgeArgs]
+Flat = Annotated[T, tyro.conf.OmitArgPrefixes]
+
+
+def check_rules(cfg, rules):
+    """rules: [(flag, holds, what to use instead)]; the first that does not hold is the error."""
+    for flag, holds, use in rules:
+        if not holds:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: use {use}")
+
+
+@dataclass
+class DataArgs:
+    """The policy and the prompts (GRPO and PPO)."""
+    model: str = "assets/arith-tiny"
+    """the policy's Hugging Face checkpoint: a local directory (config.json, *.safetensors,
+    tokenizer.json) or a hub id (ORG/NAME, downloaded into the hub's cache; needs the network)"""
+    dataset: str = BUILTIN
+    """'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id"""
+    prompt_column: str = "prompt"
+    """dataset column holding the prompt (a string or a list of chat messages)"""
+    answer_column: str | None = "answer"
+    """dataset column holding the reference answer (none: reward functions get no answer)"""
+    eval_dataset: str | None = None
+    """held-out prompts; default: the built-in task's eval split, or a hub id's 'test' split"""
+    eval_every: int = 100
+    """evaluate the held-out reward every this many steps (0: never)"""
+    eval_prompts: int = 256
+    """at most this many held-out prompts per evaluation"""
+    max_prompt_tokens: int = 256
+    """longer prompts are skipped and counted"""
+
+    def check(self):
+        check_rules(self, [
+            ("eval_every", self.eval_every >= 0, "0 (never) or a number of steps"),
+            ("eval_prompts", self.eval_prompts >= 1, "1 or more"),
+            ("max_prompt_tokens", self.max_prompt_tokens >= 1, "1 or more")])
+
+    def check_model(self):
+        """The policy's checkpoint and tokenizer read; a hub id becomes its downloaded snapshot
+        (computed at runtime)."""
+        self.model = local_dir(self.model)
+        try:
+            read_config(self.model)
+            Tokenizer(self.model)
+            check_checkpoint(self.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(f"--model: {e}") from None
+
+
+@dataclass
+class RunArgs:
+    """Where a run writes, how it resumes, logs and guards itself (GRPO and PPO)."""
+    seed: int = 0
+    """seeds init, data order and sampling (per prompt: results do not depend on the ranks)"""
+    run_dir: str = "runs/grpo"
+    """metrics.jsonl, config.json and the final policy (final/, HF format) go here"""
+    save_final: bool = True
+    """write the trained policy as a HF checkpoint to run_dir/final at the end"""
+    save_every: int = 50
+    """save the sharded training state (DCP) every this many steps, and on SIGTERM (0: SIGTERM only)"""
+    keep_last: int = 2
+    """complete checkpoints to keep"""
+    resume: str = "restart"
+    """restart: continue from run_dir's newest complete checkpoint when torchrun restarted the job
+    (--max-restarts), else start afresh; auto: continue from it whenever there is one; none; or a path"""
+    save_hf_every: int = 0
+    """also export a HF checkpoint of the policy (run_dir/hf/step_N) every this many steps (0: off)"""
+    max_skipped_steps: int = 10
+    """a step whose gradients are NaN/inf is skipped and counted; after this many the run stops"""
+    track: bool = False
+    """log to wandb (pip install wandb)"""
+    wandb_project: str = "rl-trainer"
+    """wandb project name"""
+    timeout_s: float = 300.0
+    """a collective waiting longer than this fails (a dead rank must not hang the job)"""
+
+    def check(self):
+        check_rules(self, [
+            ("save_every", self.save_every >= 0, "0 (on SIGTERM only) or a number of steps"),
+            ("keep_last", self.keep_last >= 1, "1 or more"),
+            ("resume", self.resume in ("restart", "auto", "none") or checkpoint.is_complete(self.resume),
+             "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that path)"),
+            ("run_dir", not os.path.isfile(self.run_dir), "a directory (this is a file)"),
+            ("save_hf_every", self.save_hf_every >= 0, "0 (off) or a number of steps"),
+            ("max_skipped_steps", self.max_skipped_steps >= 0, "0 or more"),
+            ("timeout_s", 0 < self.timeout_s < math.inf, "a positive number of seconds")])
+
+
+def parse(flags_class, check_args):
+    """The flags, checked before any process group or model load: a mistake ends the run with
+    one line, `error: ...` (RL_DEBUG=1: a traceback)."""
+    args = errors.cli(flags_class)
+    errors.install()
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    return args
+
+
+def load_prompts(data: DataArgs, tok) -> tuple[list[dict], int, list[dict]]:
+    """(train rows, how many were over --max-prompt-tokens, held-out rows): every rank tokenises
+    the same rows and later takes its own slice of each step."""
+    rows, skipped = tokenize_rows(load_rows(data.dataset, "train", data.prompt_column, data.answer_column), tok,
+                                  data.max_prompt_tokens)
+    held_out = eval_source(data.dataset, data.eval_dataset)
+    eval_rows = []
+    if held_out and data.eval_every:
+        test_rows = load_rows(held_out, "test", data.prompt_column, data.answer_column)
+        eval_rows = tokenize_rows(test_rows, tok, data.max_prompt_tokens)[0][:data.eval_prompts]
+    return rows, skipped, eval_rows
+
+
+def rollout_rank(plan, local_engine):
+    """disaggregate: a rollout rank's whole life. It builds its engine, serves its trainers
+    (roles/rollout.py `serve`) until they say stop, and leaves."""
+    from roles.rollout import serve
+
+    t = time.perf_counter()
+    engine = placement.engine_for(plan, local_engine)
+    if plan.rank == plan.dp:  # the first rollout rank
+        print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
+    serve(plan, engine)
+    engine.close()
+    dist.exit_now(0)
+
+
+class Evaluator:
+    """Held-out accuracy every --eval-every steps and at the end: one sample per prompt at the
+    training temperature, seeded per prompt (by its position: the same on any rank). partial: the
+    sampler ranks generate them all."""
+
+    def __init__(self, rows: list[dict], every: int, steps: int, params: SamplingParams, seed: int, plan):
+        from roles.reward import Reward
+
+        self.rows, self.every, self.steps, self.params, self.seed, self.plan = rows, every, steps, params, seed, plan
+        self.accuracy = Reward(["accuracy"])
+
+    def __call__(self, step: int, engine, timer) -> dict:
+        """{"eval/accuracy": ...} when an evaluation is due after `step` steps, else {}."""
+        if not self.every or not self.rows or (step % self.every and step != self.steps):
+            return {}
+        plan = self.plan
+        ranks = plan.layout.sampler if plan.mode == "partial" else plan.dp
+        mine = self.rows[plan.rank::ranks] if plan.rank < ranks else []
+        seeds = [prompt_seed(self.seed, -1, plan.rank + i * ranks) for i in range(len(mine))]
+        with timer("eval"):
+            out = Samples.empty()
+            if mine:
+                out = engine.generate([r["ids"] for r in mine], self.params, seeds)
+            columns = {"answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons}
+            correct = self.accuracy.score([r["prompt"] for r in mine], out.texts, columns)[0]
+            total = dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=plan.trainer_group)
+        return {"eval/accuracy": total["correct"] / total["count"]}
+
+
+class Run:
+    """This rank's run around the step loop: the resume point, the stop signals, rank 0's
+    logger, and the counters of steps the guards skipped."""
+
+    def __init__(self, args, plan, actor, critic=None):
+        self.args, self.cfg, self.plan, self.actor, self.critic = args, args.run, plan, actor, critic
+        self.resumed = checkpoint.resume(self.cfg.run_dir, self.cfg.resume, actor, plan.rank, critic)
+        self.start = self.resumed["step"]  # steps already done
+        self.sigterm = False  # torchrun (or a scheduler) asks us to stop: save, then exit
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "sigterm", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "sigterm", True))  # Ctrl-C: the same
+        self.stopped = False  # some rank was asked to stop: the same on every rank (reduced)
+        self.skipped_steps = 0  # NaN/inf gradients
+        self.unscored_steps = 0  # every reward failed
+        self.log = None
+        if plan.rank == 0:
+            self.log = Logger(self.cfg.run_dir, asdict(args), args.steps, self.cfg.track, self.cfg.wandb_project,
+                              self.start)
+
+    def end_of_step(self, step: int, metrics: dict | None, train, reward, saved=({}, {})) -> bool:
+        """After step `step` (0-based): stop together (skipped steps and SIGTERM are agreed over
+        the trainers), log rank 0's `metrics`, stop on too many NaN or unscored steps, export and
+        save when due. `reward`: the scorer (its last failure is the error's reason); `saved`:
+        (meta.json extras, this rank's state) of the components that carry state. True: stop."""
+        cfg, rank = self.cfg, self.plan.rank
+        halt = dist.reduce({"skipped": train[1]["skipped"], "unscored": train[1]["unscored"],
+                            "sigterm": self.sigterm}, op=MAX, group=self.plan.trainer_group)
+        self.skipped_steps += int(halt["skipped"])
+        self.unscored_steps += int(halt["unscored"])
+        if rank == 0:
+            metrics.update({"reward/unscored_steps": self.unscored_steps, "train/skipped_steps": self.skipped_steps})
+            self.log.log(step, metrics)
+        if self.skipped_steps > cfg.max_skipped_steps:
+            raise UserError(f"stopping: {self.skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
+                            f"{cfg.max_skipped_steps}); lower --lr or check the rewards and the data. "
+                            f"{checkpoint.last_complete(cfg.run_dir)}")
+        if self.unscored_steps > cfg.max_skipped_steps:
+            raise UserError(f"stopping: in {self.unscored_steps} steps every reward failed (--max-skipped-steps "
+                            f"{cfg.max_skipped_steps}); check --rewards {' '.join(reward.names)}: "
+                            f"{reward.last_failure()}. {checkpoint.last_complete(cfg.run_dir)}")
+        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0:
+            path = os.path.join(cfg.run_dir, "hf", f"step_{step + 1}")
+            checkpoint.export_hf(self.actor, path, rank, self.args.data.model)
+        if halt["sigterm"] or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            checkpoint.save_and_report(cfg.run_dir, step + 1, self.actor, cfg.keep_last, rank, self.critic,
+                                       extra=saved[0], rank_state=saved[1])
+        self.stopped = bool(halt["sigterm"])
+        return self.stopped
+
+    def finish(self, engine, evaluate: Evaluator, exit_code: int = 0):
+        """The end of the run. After the last step (not after a stop, or a move: `exit_code`
+        nonzero, rebalance.MOVE_EXIT), the final policy goes to the engine for the last
+        evaluation, then out as a HF checkpoint; rank 0 prints the summary and the picture.
+        Then every rank leaves with `exit_code`."""
+        cfg, rank, steps = self.cfg, self.plan.rank, self.args.steps
+        moved = exit_code != 0
+        done = not (self.stopped or moved)
+        if done:
+            timer = Timer()
+            placement.sync(self.plan, self.actor, engine, steps, timer)
+            metrics = evaluate(steps, engine, timer)
+            engine.release()
+            if rank == 0:
+                self.log.log(steps - 1, {"final": True, **metrics})
+        if cfg.save_final and done:
+            checkpoint.export_hf(self.actor, os.path.join(cfg.run_dir, "final"), rank, self.args.data.model)
+        if rank == 0:
+            if not moved:
+                final_dir = os.path.join(cfg.run_dir, "final") if cfg.save_final and done else None
+                self.log.summary(final_dir, plot(cfg.run_dir))
+            self.log.close()
+        engine.close()  # before the process group: vLLM built its own groups on it; stops the rollout ranks
+        dist.exit_now(exit_code)
