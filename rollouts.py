@@ -82,6 +82,8 @@ class OnPolicy:
     def __init__(self, engine, scorer, rows: list[dict], args, plan):
         self.engine, self.scorer, self.rows, self.args, self.plan = engine, scorer, rows, args, plan
         self.n = args.num_generations
+        overlong = getattr(args, "overlong", None)  # train_ppo.py has no --mask-truncated
+        self.mask_truncated = bool(overlong and overlong.mask_truncated)
         self.sampling = SamplingParams(self.n, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
 
     def step(self, step: int, timer) -> Rollout:
@@ -107,7 +109,7 @@ class OnPolicy:
         a dynamic-sampling padding group) is left out of the loss."""
         rewards, parts, failed = scores
         keep = ~failed & ~padded
-        if self.args.overlong.mask_truncated:
+        if self.mask_truncated:
             keep = keep & torch.tensor([r != "length" for r in out.finish_reasons])
         return Rollout(rows, out, rewards, parts, failed, ~failed, keep, tally=tally)
 
@@ -273,7 +275,7 @@ class ReMax:
 
 
 def make(engine, scorer, rows: list[dict], args, plan, judge, resumed: dict):
-    """The rollout of this run's flags: the placement's own, wrapped by --dynamic-sampling or
+    """train_grpo.py's rollout for its flags: the placement's own, wrapped by --dynamic-sampling or
     --advantage remax when asked (check_args refuses the combinations that cannot work)."""
     if plan.mode == "partial":
         rollout = Streamed(engine, scorer, rows, args, plan, judge)

@@ -20,52 +20,34 @@ reference and reward model shards.
 The actor's loss is `loss_fn` below, the critic's in roles/critic.py; the step loop is at the bottom.
 """
 import math
-import os
-import signal
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
 import torch
 
 import placement
-from roles import reward_model
+import rollouts
+from placement import PlacementArgs
 from roles.actor import Actor
 from roles.critic import Critic
 from roles.reference import Reference
-from roles.reward import Reward
+from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
-from roles.rollout import serve
-from utils import algos, checkpoint, dist, errors, memory
-from utils.data import (BUILTIN, Tokenizer, dataset_columns, eval_source, load_rows, make_batch,
-                        micro_batches, per_sample, prompt_seed, step_prompts, tokenize_rows)
+from run import DataArgs, Evaluator, Flat, Run, RunArgs, check_rules, load_prompts, parse, rollout_rank
+from utils import algos, dist, memory
+from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, make_engine
 from utils.errors import UserError
-from utils.logger import Logger, Timer
+from utils.logger import Timer
 from utils.model import check_checkpoint, local_dir, read_config
-from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
 
 
 @dataclass
 class Args:
-    model: str = "assets/arith-tiny"
-    """the policy's Hugging Face checkpoint: a local directory (config.json, *.safetensors,
-    tokenizer.json) or a hub id (ORG/NAME, downloaded into the hub's cache; needs the network)"""
-    dataset: str = BUILTIN
-    """'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id"""
-    prompt_column: str = "prompt"
-    """dataset column holding the prompt (a string or a list of chat messages)"""
-    answer_column: str | None = "answer"
-    """dataset column holding the reference answer (none: reward functions get no answer)"""
-    eval_dataset: str | None = None
-    """held-out prompts; default: the built-in task's eval split, or a hub id's 'test' split"""
-    eval_every: int = 100
-    """evaluate the held-out reward every this many steps (0: never)"""
-    eval_prompts: int = 256
-    """at most this many held-out prompts per evaluation"""
+    data: Flat[DataArgs] = field(default_factory=DataArgs)
     steps: int = 600
     """optimizer steps (one rollout batch each)"""
     prompts_per_step: int = 256
@@ -74,27 +56,13 @@ class Args:
     """completions per prompt (PPO needs no group: the critic is the baseline)"""
     max_new_tokens: int = 8
     """completion length limit"""
-    max_prompt_tokens: int = 256
-    """longer prompts are skipped and counted"""
     temperature: float = 1.0
     """sampling temperature (also applied to the trainer's log-probs)"""
     top_p: float = 1.0
     """nucleus sampling mass"""
     top_k: int = 0
     """top-k sampling (0: off)"""
-    rewards: tuple[str, ...] = ("accuracy",)
-    """reward terms: accuracy, format, code, rm (the --reward-model), or module:function"""
-    reward_weights: tuple[float, ...] = ()
-    """one weight per reward term (default: all 1)"""
-    reward_model: str | None = None
-    """a Bradley-Terry reward model (a HF ...ForSequenceClassification checkpoint with the policy's
-    tokenizer; train_rm.py trains one): the `rm` term of --rewards"""
-    reward_timeout_s: float = 60.0
-    """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
-    code_timeout_s: float = 5.0
-    """the code reward's wall-clock limit per completion (sandboxed process)"""
-    code_memory_mb: int = 512
-    """the code reward's memory limit per completion"""
+    reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
     gamma: float = 1.0
     """GAE's discount (1: the score at the end counts fully at every token)"""
     lam: float = 0.95
@@ -122,8 +90,6 @@ class Args:
     """AdamW weight decay (actor and critic)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm (each model on its own)"""
-    max_skipped_steps: int = 10
-    """a step whose gradients are NaN/inf is skipped and counted; after this many the run stops"""
     clip_low: float = 0.2
     """PPO ratio clip below: 1 - clip_low"""
     clip_high: float = 0.2
@@ -143,66 +109,25 @@ class Args:
     """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
     compile: bool = False
     """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
-    the first steps pay the compile (see README: A compiled step)"""
+    the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed, else native (see README for vLLM on CPU)"""
-    placement: Literal["colocate", "disaggregate"] = "colocate"
-    """colocate: every rank trains and generates, taking turns; disaggregate: --rollout-ranks ranks
-    only generate while the others hold actor, critic, reference and reward model and train"""
-    rollout_ranks: int = 0
-    """disaggregate: the last K ranks generate (each serves (world - K) / K trainers)"""
-    max_staleness: int = 0
-    """disaggregate: generate up to this many steps ahead while training (0: on-policy)"""
-    sync_bucket_mb: float = 64.0
-    """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
-    seed: int = 0
-    """seeds init, data order and sampling (per prompt: results do not depend on the ranks)"""
-    run_dir: str = "runs/ppo"
-    """metrics.jsonl, config.json and the final policy (final/, HF format) go here"""
-    save_final: bool = True
-    """write the trained policy as a HF checkpoint to run_dir/final at the end"""
-    save_every: int = 50
-    """save the sharded training state (DCP: actor, critic, KL coefficient) every this many steps,
-    and on SIGTERM (0: SIGTERM only)"""
-    keep_last: int = 2
-    """complete checkpoints to keep"""
-    resume: str = "restart"
-    """restart: continue from run_dir's newest complete checkpoint when torchrun restarted the job
-    (--max-restarts), else start afresh; auto: continue from it whenever there is one; none; or a path"""
-    save_hf_every: int = 0
-    """also export a HF checkpoint of the policy (run_dir/hf/step_N) every this many steps (0: off)"""
-    track: bool = False
-    """log to wandb (pip install wandb)"""
-    wandb_project: str = "rl-trainer"
-    """wandb project name"""
-    timeout_s: float = 300.0
-    """a collective waiting longer than this fails (a dead rank must not hang the job)"""
+    """generation engine: auto = vLLM on GPU when installed, else native (see docs/engines.md for vLLM on CPU)"""
+    layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
+    run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/ppo"))
 
 
 def check_args(args: Args, world: int):
-    """Every flag's range and the combinations that cannot work, in the order of Args: a mistake
-    stops the run here, before any process group or model load, with what to change."""
-    rules = [  # (flag, holds, what to use instead)
-        ("eval_every", args.eval_every >= 0, "0 (never) or a number of steps"),
-        ("eval_prompts", args.eval_prompts >= 1, "1 or more"),
+    """Every flag's range and the combinations that cannot work (each component checks its own):
+    a mistake stops the run here, before any process group or model load, with what to change."""
+    args.data.check()
+    check_rules(args, [  # (flag, holds, what to use instead)
         ("steps", args.steps >= 1, "1 or more"),
         ("prompts_per_step", args.prompts_per_step >= 1, "1 or more"),
         ("num_generations", args.num_generations >= 1, "1 or more"),
         ("max_new_tokens", args.max_new_tokens >= 1, "1 or more"),
-        ("max_prompt_tokens", args.max_prompt_tokens >= 1, "1 or more"),
         ("temperature", 0 < args.temperature < math.inf, "a positive number (1.0: the model as it is)"),
         ("top_p", 0 < args.top_p <= 1, "a number in (0, 1] (1.0: off)"),
         ("top_k", args.top_k >= 0, "0 (off) or a number of tokens"),
-        ("rewards", len(args.rewards) >= 1, "at least one reward term"),
-        ("rewards", "judge" not in args.rewards, "terms without `judge`: the generative judge (--judge-model) "
-         "is train_grpo.py's; train_ppo.py takes rules, functions and a Bradley-Terry `rm`"),
-        ("reward_weights", len(args.reward_weights) in (0, len(args.rewards)),
-         f"one weight per --rewards term ({len(args.rewards)}), or none"),
-        ("reward_model", (args.reward_model is None) == ("rm" not in args.rewards),
-         "a reward model together with the `rm` term of --rewards (say both, or neither)"),
-        ("reward_timeout_s", args.reward_timeout_s > 0, "a positive number of seconds"),
-        ("code_timeout_s", args.code_timeout_s > 0, "a positive number of seconds"),
-        ("code_memory_mb", args.code_memory_mb >= 32, "32 or more"),
         ("gamma", 0 <= args.gamma <= 1, "a number in [0, 1]"),
         ("lam", 0 <= args.lam <= 1, "a number in [0, 1]"),
         ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (no KL term) or more"),
@@ -214,56 +139,31 @@ def check_args(args: Args, world: int):
         ("warmup_steps", args.warmup_steps >= 0, "0 or more"),
         ("weight_decay", 0 <= args.weight_decay < math.inf, "0 or more"),
         ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm"),
-        ("max_skipped_steps", args.max_skipped_steps >= 0, "0 or more"),
         ("clip_low", 0 <= args.clip_low < 1, "a number in [0, 1)"),
         ("clip_high", 0 <= args.clip_high < math.inf, "0 or more"),
         ("value_clip", 0 < args.value_clip < math.inf, "a positive number"),
         ("minibatches", args.minibatches >= 1, "1 or more"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "1 or more"),
-        ("rollout_ranks", args.rollout_ranks >= 0, "0 (colocate) or more"),
-        ("sync_bucket_mb", 0 < args.sync_bucket_mb < math.inf, "a positive size in MiB"),
-        ("sync_bucket_mb", args.sync_bucket_mb == 64.0 or args.placement == "disaggregate",
-         "it only applies to --placement disaggregate (drop it)"),
-        ("save_every", args.save_every >= 0, "0 (on SIGTERM only) or a number of steps"),
-        ("keep_last", args.keep_last >= 1, "1 or more"),
-        ("resume", args.resume in ("restart", "auto", "none") or checkpoint.is_complete(args.resume),
-         "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that path)"),
-        ("run_dir", not os.path.isfile(args.run_dir), "a directory (this is a file)"),
-        ("save_hf_every", args.save_hf_every >= 0, "0 (off) or a number of steps"),
-        ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds"),
-    ]
-    for flag, holds, use in rules:
-        if not holds:
-            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use {use}")
-    if "accuracy" in args.rewards and args.answer_column is None:
-        raise UserError("--rewards accuracy compares each completion with the row's answer: pass "
-                        "--answer-column, or use other --rewards")
-    layout = placement.check(args.placement, world, args.prompts_per_step, args.rollout_ranks,
-                             args.max_staleness)
+        ("micro_batch_size", args.micro_batch_size >= 1, "1 or more")])
+    check_rules(args.reward, [("rewards", "judge" not in args.reward.rewards, "terms without `judge`: the "
+                "generative judge (--judge-model) is train_grpo.py's; train_ppo.py takes rules, functions and a "
+                "Bradley-Terry `rm`")])
+    check_rules(args.layout, [("placement", args.layout.placement != "partial", "colocate or disaggregate: "
+                "partial placement splits the rollout between a sampler and a judge, which is train_grpo.py's")])
+    args.run.check()
+    layout = args.layout.check(world, args.prompts_per_step)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
                         f"trainer rank trains per step: use a divisor of {rows}")
-    # hub ids (ORG/NAME) become their downloaded snapshot (computed at runtime)
-    args.model = local_dir(args.model)
+    args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
     if args.critic_model:
         args.critic_model = local_dir(args.critic_model, "--critic-model")
-    if args.reward_model:
-        args.reward_model = local_dir(args.reward_model, "--reward-model")
-    for flag, path in (("model", args.model), ("critic_model", args.critic_model)):
-        if path is None:
-            continue
         try:
-            read_config(path)
-            check_checkpoint(path)
+            read_config(args.critic_model)
+            check_checkpoint(args.critic_model)
         except (FileNotFoundError, ValueError) as e:
-            raise UserError(f"--{flag.replace('_', '-')}: {e}") from None
-    try:
-        Tokenizer(args.model)
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"--model: {e}") from None
-    if args.reward_model:
-        reward_model.check(args.reward_model, args.model)
+            raise UserError(f"--critic-model: {e}") from None
+    args.reward.check(args.data)
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -321,52 +221,41 @@ def update(actor, critic, batch, args, plan, timer):
     return sums, maxes
 
 
-def evaluate(engine, accuracy, rows, args, plan):
-    """Held-out accuracy: one sample per prompt at the training temperature, seeded per prompt."""
-    mine = rows[plan.rank::plan.dp]
-    params = SamplingParams(1, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
-    seeds = [prompt_seed(args.seed, -1, plan.rank + i * plan.dp) for i in range(len(mine))]
-    out = engine.generate([r["ids"] for r in mine], params, seeds)
-    columns = {"answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons}
-    correct = accuracy.score([r["prompt"] for r in mine], out.texts, columns)[0]
-    total = dist.reduce({"correct": correct.sum(), "count": len(mine)}, group=plan.trainer_group)
-    return total["correct"] / total["count"]
+def adapt_kl(kl_coef: float, kl, failed, args: Args, plan) -> float:
+    """Ziegler et al.'s adaptive KL controller (--kl-target), on the step's mean KL per completion;
+    the coefficient unchanged without a target."""
+    if args.kl_target is None:
+        return kl_coef
+    seen = dist.reduce({"kl": kl.sum(), "n": (~failed).sum()}, group=plan.trainer_group)
+    return algos.adaptive_kl_coef(kl_coef, seen["kl"] / max(1.0, seen["n"]), args.kl_target, args.kl_horizon,
+                                  int(seen["n"]))
 
 
-def eval_due(step: int, args, eval_rows) -> bool:
-    if not args.eval_every or not eval_rows:
-        return False
-    return step % args.eval_every == 0 or step == args.steps
-
-
-def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, kl, kl_coef, train, sync,
-             timer, skipped_steps, unscored_steps):
-    """Reduce this step's numbers over the trainers (one sum, one max); rank 0 prints and writes them."""
-    rewards, parts, failed = scores
+def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, plan):
+    """Reduce this step's numbers over the trainers (one sum, one max); rank 0's metrics, else None."""
+    out, rewards, failed = got.samples, got.rewards, got.failed
     sums, maxes = train
     mask = batch["loss_mask"]  # [N, T]
     error = (batch["returns"] - batch["values"]) * mask  # [N, T] what the critic missed at rollout
     step_s = timer.elapsed()
     phases = placement.phase_metrics(plan, engine, timer.seconds, step_s)
     staleness = step - out.version
-    parts = {f"reward/{name}": part[~failed].sum() for name, part in parts.items()}
+    parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
         **sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
         "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
         "staleness": staleness, "completions": len(rewards), "completion_tokens": mask.sum(),
         "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(),
-        "returns_sq": batch["returns"].square().sum(),
-        "error": error.sum(), "error_sq": error.square().sum()})
-    seconds = timer.seconds
+        "returns_sq": batch["returns"].square().sum(), "error": error.sum(), "error_sq": error.square().sum()})
+    s = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **maxes, **sync, "gen_s": seconds["generate"], "ref_s": seconds.get("reference", 0.0),
-        "rm_s": seconds.get("reward_model", 0.0), "values_s": seconds["values"],
-        "train_s": seconds["train"], "critic_s": seconds["critic_train"],
-        "mem_gib": dist.peak_memory_gib(plan.device),
+        **maxes, **sync, "gen_s": s["generate"], "ref_s": s.get("reference", 0.0),
+        "rm_s": s.get("reward_model", 0.0), "values_s": s["values"], "train_s": s["train"],
+        "critic_s": s["critic_train"], "mem_gib": dist.peak_memory_gib(plan.device),
         "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
     if plan.rank != 0:
-        return
-    N, dp = total["completions"], plan.dp
+        return None
+    N = total["completions"]
     S = max(1.0, total["scored"])  # completions with a reward
     T = max(1.0, total["completion_tokens"])  # their tokens: what the losses see
     metrics.update({
@@ -378,155 +267,86 @@ def log_step(log, step, metrics, args, plan, actor, engine, out, scores, batch, 
     var_returns = total["returns_sq"] / T - (total["returns"] / T) ** 2
     var_error = total["error_sq"] / T - (total["error"] / T) ** 2
     metrics.update({
-        "reward/failures": total["failures"], "reward/unscored_steps": unscored_steps,
-        "train/pg_loss": total.get("pg_loss", 0.0) / T, "train/kl": total["kl_sum"] / T,
-        "train/kl_per_completion": total["kl_sum"] / S, "train/kl_coef": kl_coef,
+        "reward/failures": total["failures"], "train/pg_loss": total.get("pg_loss", 0.0) / T,
+        "train/kl": total["kl_sum"] / T, "train/kl_per_completion": total["kl_sum"] / S, "train/kl_coef": kl_coef,
         "train/clip_frac": total.get("clipped_tokens", 0.0) / T, "train/grad_norm": peak["grad_norm"],
         "train/value_loss": total.get("value_loss", 0.0) / T, "train/value_mean": total["values"] / T,
         "train/value_clip_frac": total.get("value_clipped", 0.0) / T,
         "train/explained_variance": 1 - var_error / var_returns if var_returns > 1e-12 else 0.0,
-        "train/value_grad_norm": peak.get("value_grad_norm", 0.0),
-        "train/lr": actor.sched.get_last_lr()[0], "train/skipped_steps": skipped_steps,
+        "train/value_grad_norm": peak.get("value_grad_norm", 0.0), "train/lr": actor.sched.get_last_lr()[0],
         "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
         "train/logprob_gap_max": peak["gap_max"], "train/rows_trained": total["rows"] / N,
-        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"],
-        "perf/reward_model_s": peak["rm_s"], "perf/values_s": peak["values_s"],
-        "perf/train_s": peak["train_s"],
-        "perf/critic_train_s": peak["critic_s"], "perf/sync_s": peak["sync_s"],
-        "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
+        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
+        "perf/values_s": peak["values_s"], "perf/train_s": peak["train_s"], "perf/critic_train_s": peak["critic_s"],
+        "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
         "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
-        "perf/peak_mem_added_gib": peak["mem_added_gib"],
-        "perf/sync_gather_s": peak["sync_gather_s"]})
-    for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
-        metrics[f"placement/{role}_s"] = total[role] / dp
-    metrics.update({
-        "placement/idle_share": total["device_idle"] / (plan.layout.world * peak["step_s"]),
-        "placement/staleness_max": peak["staleness"], "placement/staleness_mean": total["staleness"] / dp})
-    log.log(step, metrics)
+        "perf/peak_mem_added_gib": peak["mem_added_gib"], "perf/sync_gather_s": peak["sync_gather_s"]})
+    metrics.update(placement.metrics(plan, total, peak))
+    return metrics
 
 
 if __name__ == "__main__":
-    args = errors.cli(Args)
-    errors.install()  # a UserError ends the run with one line, `error: ...` (RL_DEBUG=1: a traceback)
-    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    cfg, tok = read_config(args.model), Tokenizer(args.model)
-    rank, world, device = dist.init(args.timeout_s)
-    plan = placement.plan(args.placement, rank, world, device, args.prompts_per_step, args.rollout_ranks,
-                          args.max_staleness, args.timeout_s)
-    torch.manual_seed(args.seed)
+    args = parse(Args, check_args)
+    cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
+    rank, world, device = dist.init(args.run.timeout_s)
+    plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
+                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s)
+    torch.manual_seed(args.run.seed)
     param_dtype = getattr(torch, args.param_dtype)
-    max_len = args.max_prompt_tokens + args.max_new_tokens
-    local_engine = partial(make_engine, args.engine, args.model, cfg, tok, device, param_dtype, max_len,
-                           args.seed)
-    if plan.role == "rollout":
-        # disaggregate: this rank only generates, in its own loop (roles/rollout.py), until told to stop
-        t = time.perf_counter()
-        engine = placement.engine_for(plan, local_engine)
-        if rank == plan.dp:  # the first rollout rank
-            ready_s = time.perf_counter() - t
-            print(f"rollout ranks: {type(engine).__name__}, ready in {ready_s:.0f}s", flush=True)
-        serve(plan, engine)
-        engine.close()
-        dist.exit_now(0)
+    max_len = args.data.max_prompt_tokens + args.max_new_tokens
+    local_engine = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
+                           args.run.seed)
+    if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
+        rollout_rank(plan, local_engine)
 
-    # data: every rank tokenises the same rows and later takes its own slice of each step
-    train_rows = load_rows(args.dataset, "train", args.prompt_column, args.answer_column)
-    rows, skipped = tokenize_rows(train_rows, tok, args.max_prompt_tokens)
-    held_out = eval_source(args.dataset, args.eval_dataset)
-    eval_rows = []
-    if held_out and args.eval_every:
-        test_rows = load_rows(held_out, "test", args.prompt_column, args.answer_column)
-        eval_rows = tokenize_rows(test_rows, tok, args.max_prompt_tokens)[0][:args.eval_prompts]
-
-    # roles: on every trainer rank, the actor, the critic, the reference and the reward model shards
+    # data, then the roles on every trainer rank: the actor, the critic, the reference, the reward model
+    rows, skipped, eval_rows = load_prompts(args.data, tok)
     decay_steps = args.steps if args.lr_schedule == "linear" else 0
+    critic_dir = args.critic_model or args.data.model
     dist.mark_memory_start(device)  # what the models and steps add is measured from here
     if rank == 0:
-        critic_dir = args.critic_model or args.model
         print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
                              max(len(r["ids"]) for r in rows), len(eval_rows), critic_dir), flush=True)
-    actor = Actor(args.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
+    actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size, decay_steps,
                   compile=args.compile)
-    critic = Critic(args.critic_model or args.model, plan.mesh, device, args.critic_lr, args.warmup_steps,
-                    args.weight_decay, args.max_grad_norm, args.value_clip, param_dtype,
-                    args.micro_batch_size, decay_steps, compile=args.compile)
+    critic = Critic(critic_dir, plan.mesh, device, args.critic_lr, args.warmup_steps, args.weight_decay,
+                    args.max_grad_norm, args.value_clip, param_dtype, args.micro_batch_size, decay_steps,
+                    compile=args.compile)
     ref = None
     if args.kl_coef > 0:
-        ref = Reference(args.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
+        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
     rm = None
-    if args.reward_model:
-        rm = RewardModel(args.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
-    reward = Reward(args.rewards, args.reward_weights, args.reward_timeout_s, args.code_timeout_s,
-                    args.code_memory_mb)
-    accuracy = Reward(["accuracy"])  # the held-out metric
-    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), int(args.sync_bucket_mb * 2**20))
-    sampling = SamplingParams(args.num_generations, args.temperature, args.top_p, args.top_k,
-                              args.max_new_tokens)
+    if args.reward.reward_model:
+        rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
+    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), int(args.layout.sync_bucket_mb * 2**20))
 
-    resumed = checkpoint.resume(args.run_dir, args.resume, actor, rank, critic)
-    start = resumed["step"]  # steps already done
-    kl_coef = resumed.get("kl_coef", args.kl_coef)  # the adaptive controller's state
-    stop = {"sigterm": False}  # torchrun (or a scheduler) asks us to stop: save, then exit
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
-    signal.signal(signal.SIGINT, lambda *_: stop.update(sigterm=True))  # Ctrl-C: the same
-    log = None
+    # the components, chosen once
+    run = Run(args, plan, actor, critic)
+    kl_coef = run.resumed.get("kl_coef", args.kl_coef)  # the adaptive controller's state
+    scorer = Scorer(args.reward, rm, None, tok.pad_id, device, args.max_new_tokens)
+    kind = rollouts.Ahead if args.layout.max_staleness else rollouts.OnPolicy  # generate ahead, or on-policy
+    rollout = kind(engine, scorer, rows, args, plan)
+    evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
+        1, args.temperature, args.top_p, args.top_k, args.max_new_tokens), args.run.seed, plan)
     if rank == 0:
-        log = Logger(args.run_dir, asdict(args), args.steps, args.track, args.wandb_project, start)
-        print(f"{world} rank(s), {args.placement} ({plan.dp} trainer(s)), {type(engine).__name__}; PPO; "
-              f"model "
-              f"{args.model} ({actor.config.num_params() / 1e6:.2f}M params), critic from "
-              f"{args.critic_model or args.model}; {len(rows)} train prompts ({skipped} over "
-              f"--max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
+        print(f"{world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; PPO; model "
+              f"{args.data.model} ({actor.config.num_params() / 1e6:.2f}M params), critic from {critic_dir}; "
+              f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
+              flush=True)
 
     n = args.num_generations
-    skipped_steps = 0  # NaN/inf gradients
-    unscored_steps = 0  # every reward failed
-    stopped = False  # some rank was asked to stop (SIGTERM)
-    in_flight = {}  # step -> (this rank's rows, ticket): rollouts sent ahead of training
-    submitted = start  # the next step whose prompts go out
-    for step in range(start, args.steps + 1):  # the extra step only evaluates the final policy
+    for step in range(run.start, args.steps):
         timer = Timer()
-        metrics = {}
-        # sync: the policy after `step` updates goes to the engine (the critic's weights never do)
-        with timer("wait"):
-            engine.collect()
-        with timer("sync"):
-            sync = placement.sync(plan, actor, engine, version=step)
-        if eval_due(step, args, eval_rows):
-            with timer("eval"):
-                metrics["eval/accuracy"] = evaluate(engine, accuracy, eval_rows, args, plan)
-        if step == args.steps:
-            engine.release()
-            if rank == 0:
-                log.log(step - 1, {"final": True, **metrics})
-            break
+        sync = placement.sync(plan, actor, engine, step, timer)  # the policy (the critic's weights never go)
+        metrics = evaluate(step, engine, timer)  # held-out accuracy, when due
+        got = rollout.step(step, timer)  # this rank's prompts -> samples -> rewards
 
-        # rollout: this rank's prompts only (and, with --max-staleness S, up to S steps ahead)
-        with timer("generate"):
-            while submitted <= min(step + args.max_staleness, args.steps - 1):
-                ahead, seeds = step_prompts(rows, submitted, args.prompts_per_step, args.seed, rank, plan.dp)
-                in_flight[submitted] = ahead, engine.submit([r["ids"] for r in ahead], sampling, seeds)
-                submitted += 1
-            local, ticket = in_flight.pop(step)
-            out = engine.result(ticket)
-        engine.release()
-        prompt_ids = per_sample([r["ids"] for r in local], n)
-        batch = make_batch(prompt_ids, out.tokens, out.lengths, tok.pad_id, device)
-        batch["old_logp"] = out.logprobs.to(device)  # [N, T]
-
-        # reward: this controller scores its own samples (the reward model on its token ids)
-        rm_scores = None
-        if rm:
-            with timer("reward_model"):
-                rm_scores = rm.score(batch)  # [N]
-        with timer("reward"):
-            columns = dataset_columns(local, n)  # answer and the rest, one value per completion
-            columns["finish_reason"] = out.finish_reasons
-            prompts = per_sample([r["prompt"] for r in local], n)
-            # [N], {term: [N]}, [N]
-            rewards, parts, failed = reward.score(prompts, out.texts, columns, rm_scores)
-        batch["loss_mask"] = batch["loss_mask"] * (~failed)[:, None].to(device)  # [N, T]: no reward, no loss
+        # the batch: one row per completion; a sample without a reward leaves the loss
+        prompt_ids = per_sample([r["ids"] for r in got.rows], n)
+        batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device)
+        batch["old_logp"] = got.samples.logprobs.to(device)  # [N, T]
+        batch["loss_mask"] = batch["loss_mask"] * got.keep[:, None].to(device)  # [N, T]
         if ref:
             with timer("reference"):
                 batch["ref_logp"] = ref.logprobs(batch)  # [N, T]
@@ -534,47 +354,13 @@ if __name__ == "__main__":
             batch["values"] = critic.values(batch)  # [N, T]
 
         # advantages: GAE per token, the KL in the reward, whitened over the whole batch
-        batch["adv"], batch["returns"], kl = advantages(batch, rewards, args, kl_coef, plan)
+        batch["adv"], batch["returns"], kl = advantages(batch, got.rewards, args, kl_coef, plan)
 
         # update: the actor's clipped surrogate, then the critic's clipped value loss, per minibatch
         train = update(actor, critic, batch, args, plan, timer)
 
-        halt = dist.reduce({"skipped": train[1]["skipped"], "unscored": train[1]["unscored"],
-                            "sigterm": stop["sigterm"]}, op=MAX, group=plan.trainer_group)
-        skipped_steps += int(halt["skipped"])
-        unscored_steps += int(halt["unscored"])
-        log_step(log, step, metrics, args, plan, actor, engine, out, (rewards, parts, failed), batch, kl,
-                 kl_coef, train, sync, timer, skipped_steps, unscored_steps)
-        if args.kl_target is not None:  # Ziegler et al.'s controller, on the step's mean KL per completion
-            seen = dist.reduce({"kl": kl.sum(), "n": (~failed).sum()}, group=plan.trainer_group)
-            kl_coef = algos.adaptive_kl_coef(kl_coef, seen["kl"] / max(1.0, seen["n"]), args.kl_target,
-                                             args.kl_horizon, int(seen["n"]))
-        if skipped_steps > args.max_skipped_steps:
-            raise UserError(f"stopping: {skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
-                            f"{args.max_skipped_steps}); lower --lr or check the rewards and the data. "
-                            f"{checkpoint.last_complete(args.run_dir)}")
-        if unscored_steps > args.max_skipped_steps:
-            raise UserError(f"stopping: in {unscored_steps} steps every reward failed (--max-skipped-steps "
-                            f"{args.max_skipped_steps}); check --rewards {' '.join(args.rewards)}: "
-                            f"{reward.last_failure()}. {checkpoint.last_complete(args.run_dir)}")
-        if args.save_hf_every and (step + 1) % args.save_hf_every == 0:
-            path = os.path.join(args.run_dir, "hf", f"step_{step + 1}")
-            checkpoint.export_hf(actor, path, rank, args.model)
-        save_due = args.save_every and (step + 1) % args.save_every == 0
-        if halt["sigterm"] or save_due:
-            checkpoint.save_and_report(args.run_dir, step + 1, actor, args.keep_last, rank, critic,
-                                       extra={"kl_coef": kl_coef})
-        if halt["sigterm"]:
-            stopped = True
+        metrics = log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, plan)
+        kl_coef = adapt_kl(kl_coef, kl, got.failed, args, plan)
+        if run.end_of_step(step, metrics, train, scorer, ({"kl_coef": kl_coef}, {})):
             break
-    # `stopped` is the same on every rank (reduced), as it must be: the export is collective
-    if args.save_final and not stopped:
-        checkpoint.export_hf(actor, os.path.join(args.run_dir, "final"), rank, args.model)
-    if rank == 0:
-        final_dir = None
-        if args.save_final and not stopped:
-            final_dir = os.path.join(args.run_dir, "final")
-        log.summary(final_dir, plot(args.run_dir))
-        log.close()
-    engine.close()  # before the process group: vLLM built its own groups on it
-    dist.exit_now(0)
+    run.finish(engine, evaluate)
