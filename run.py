@@ -179,6 +179,52 @@ class Evaluator:
         return {"eval/accuracy": total["correct"] / total["count"]}
 
 
+def reduce_step(step: int, got, mask, timer, engine, plan, sums: dict, maxes: dict) -> tuple[dict, dict]:
+    """A step's numbers summed and maxed over the trainers, one reduction each: what both scripts
+    log of the rollout, the update and the phases, plus each script's own `sums` and `maxes`."""
+    out, rewards, failed = got.samples, got.rewards, got.failed
+    step_s = timer.elapsed()
+    staleness = step - out.version
+    parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
+    total = dist.reduce(group=plan.trainer_group, values={
+        **sums, **parts, **placement.phase_metrics(plan, engine, timer.seconds, step_s, got.tally),
+        "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(), "len": out.lengths.sum(),
+        "truncated": out.finish_reasons.count("length"), "staleness": staleness, "completions": len(rewards),
+        "completion_tokens": mask.sum()})
+    s = timer.seconds
+    peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
+        **maxes, "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
+        "train_s": s["train"], "mem_gib": dist.peak_memory_gib(plan.device),
+        "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
+    return total, peak
+
+
+def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
+    """rank 0: what both scripts log from `reduce_step`'s numbers (rollout/, reward/, train/,
+    perf/, placement/); each script adds its own."""
+    N = total["completions"]
+    S = max(1.0, total["scored"])  # completions with a reward
+    T = max(1.0, total["completion_tokens"])  # their tokens: what the loss sees
+    metrics = {"rollout/reward": total["reward"] / S, "rollout/response_len": total["len"] / N,
+               "rollout/truncated": total["truncated"] / N}
+    for name in got.parts:
+        metrics[f"rollout/reward/{name}"] = total[f"reward/{name}"] / S
+    metrics.update({
+        "reward/failures": total["failures"], "train/pg_loss": total.get("pg_loss", 0.0) / T,
+        "train/clip_frac": total.get("clipped_tokens", 0.0) / T, "train/grad_norm": peak["grad_norm"],
+        "train/lr": actor.sched.get_last_lr()[0],
+        "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
+        "train/logprob_gap_max": peak["gap_max"],
+        "train/rows_trained": total["rows"] / N,  # the rest had advantage 0 (and no KL term): not run
+        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
+        "perf/train_s": peak["train_s"], "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"],
+        "perf/step_s": peak["step_s"], "perf/tokens_per_s": total["len"] / peak["step_s"],
+        "perf/peak_mem_gib": peak["mem_gib"], "perf/peak_mem_added_gib": peak["mem_added_gib"],
+        "perf/sync_gather_s": peak["sync_gather_s"]})
+    metrics.update(placement.metrics(plan, total, peak))
+    return metrics
+
+
 class Run:
     """This rank's run around the step loop: the resume point, the stop signals, rank 0's
     logger, and the counters of steps the guards skipped."""

@@ -34,7 +34,8 @@ from roles.reference import Reference
 from roles.reward import OverlongArgs, RewardArgs, Scorer
 from roles.reward_model import RewardModel
 from rollouts import DynamicSamplingArgs
-from run import DataArgs, Evaluator, Flat, Run, RunArgs, check_rules, load_prompts, parse, rollout_rank
+from run import (DataArgs, Evaluator, Flat, Run, RunArgs, check_rules, load_prompts, parse, reduce_step,
+                 rollout_rank, step_metrics)
 from utils import algos, dist, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, make_engine
@@ -233,56 +234,27 @@ def update(actor, batch, args: Args, plan):
 
 
 def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, correction, args: Args, plan):
-    """Reduce this step's numbers over the trainers (one sum, one max). Returns (what --rebalance
-    reads: each role's busy seconds per rank, the same on every trainer; rank 0's metrics, else None)."""
-    out, rewards, failed, n = got.samples, got.rewards, got.failed, args.num_generations
-    groups = rewards.view(-1, n)  # [prompts, n]
-    step_s = timer.elapsed()
-    phases = placement.phase_metrics(plan, engine, timer.seconds, step_s, got.tally)
-    staleness = step - out.version
-    parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
-    total = dist.reduce(group=plan.trainer_group, values={
-        **train[0], **correction.sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
-        "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
-        "all_same": (groups.max(-1).values == groups.min(-1).values).sum(), "staleness": staleness,
-        "completions": len(rewards), "completion_tokens": batch["loss_mask"].sum(),
-        "judge_unparsed": got.tally["judge_unparsed"], "judge_verdicts": got.tally["judge_verdicts"]})
+    """Reduce this step's numbers over the trainers (run.reduce_step: one sum, one max). Returns
+    (what --rebalance reads: each role's busy seconds per rank, the same on every trainer; rank 0's
+    metrics, else None)."""
+    groups = got.rewards.view(-1, args.num_generations)  # [prompts, n]
     s = timer.seconds
-    peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **train[1], **correction.maxes, **sync, "gen_s": s["generate"], "judge_s": s.get("judge", 0.0),
-        "rollout_judge_s": s["generate"] + s.get("judge", 0.0), "ref_s": s.get("reference", 0.0),
-        "rm_s": s.get("reward_model", 0.0), "old_logp_s": s.get("old_logp", 0.0), "train_s": s["train"],
-        "mem_gib": dist.peak_memory_gib(plan.device), "mem_added_gib": dist.memory_added_gib(plan.device),
-        "step_s": step_s, "staleness": staleness})
+    total, peak = reduce_step(step, got, batch["loss_mask"], timer, engine, plan, sums={
+        **train[0], **correction.sums, "all_same": (groups.max(-1).values == groups.min(-1).values).sum(),
+        "judge_unparsed": got.tally["judge_unparsed"], "judge_verdicts": got.tally["judge_verdicts"]}, maxes={
+        **train[1], **correction.maxes, **sync, "judge_s": s.get("judge", 0.0),
+        "rollout_judge_s": s["generate"] + s.get("judge", 0.0), "old_logp_s": s.get("old_logp", 0.0)})
     entry = {"trainer_busy": total["trainer_busy"] / plan.dp, "rollout_busy": total["rollout_busy"] / plan.dp,
              "step_s": peak["step_s"]}
     if plan.rank != 0:
         return entry, None
-    N = total["completions"]
-    S = max(1.0, total["scored"])  # completions with a reward
-    T = max(1.0, total["completion_tokens"])  # their tokens: what the loss sees
-    metrics.update(got.metrics)
-    metrics.update({
-        "rollout/reward": total["reward"] / S, "rollout/response_len": total["len"] / N,
-        "rollout/truncated": total["truncated"] / N, "rollout/groups_all_same": total["all_same"] / (N / n)})
-    for name in parts:
-        metrics[f"rollout/{name}"] = total[name] / S
-    metrics.update({
-        "reward/failures": total["failures"], "train/pg_loss": total.get("pg_loss", 0.0) / T,
-        "train/kl": total.get("kl", 0.0) / T, "train/clip_frac": total.get("clipped_tokens", 0.0) / T,
-        "train/grad_norm": peak["grad_norm"], "train/lr": actor.sched.get_last_lr()[0],
-        "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
-        "train/logprob_gap_max": peak["gap_max"],
-        "train/rows_trained": total["rows"] / N,  # the rest had advantage 0 (and no KL term): not run
-        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
-        "perf/old_logp_s": peak["old_logp_s"], "perf/train_s": peak["train_s"], "perf/sync_s": peak["sync_s"],
-        "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
-        "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
-        "perf/peak_mem_added_gib": peak["mem_added_gib"], "perf/sync_gather_s": peak["sync_gather_s"]})
+    T = max(1.0, total["completion_tokens"])
+    metrics.update({**got.metrics, **step_metrics(total, peak, got, actor, plan),
+                    "rollout/groups_all_same": total["all_same"] / (total["completions"] / args.num_generations),
+                    "train/kl": total.get("kl", 0.0) / T, "perf/old_logp_s": peak["old_logp_s"]})
     if args.judge.judge_model:
         metrics.update(judge_role.metrics(total, peak))
     metrics.update(correction.metrics(total, peak))
-    metrics.update(placement.metrics(plan, total, peak))
     return entry, metrics
 
 

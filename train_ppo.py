@@ -34,7 +34,8 @@ from roles.critic import Critic
 from roles.reference import Reference
 from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
-from run import DataArgs, Evaluator, Flat, Run, RunArgs, check_rules, load_prompts, parse, rollout_rank
+from run import (DataArgs, Evaluator, Flat, Run, RunArgs, check_rules, load_prompts, parse, reduce_step,
+                 rollout_rank, step_metrics)
 from utils import algos, dist, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, make_engine
@@ -232,56 +233,29 @@ def adapt_kl(kl_coef: float, kl, failed, args: Args, plan) -> float:
 
 
 def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, plan):
-    """Reduce this step's numbers over the trainers (one sum, one max); rank 0's metrics, else None."""
-    out, rewards, failed = got.samples, got.rewards, got.failed
-    sums, maxes = train
+    """Reduce this step's numbers over the trainers (run.reduce_step); rank 0's metrics, else None."""
     mask = batch["loss_mask"]  # [N, T]
     error = (batch["returns"] - batch["values"]) * mask  # [N, T] what the critic missed at rollout
-    step_s = timer.elapsed()
-    phases = placement.phase_metrics(plan, engine, timer.seconds, step_s)
-    staleness = step - out.version
-    parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
-    total = dist.reduce(group=plan.trainer_group, values={
-        **sums, **parts, **phases, "reward": rewards.sum(), "failures": failed.sum(),
-        "scored": (~failed).sum(), "len": out.lengths.sum(), "truncated": out.finish_reasons.count("length"),
-        "staleness": staleness, "completions": len(rewards), "completion_tokens": mask.sum(),
-        "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(),
-        "returns_sq": batch["returns"].square().sum(), "error": error.sum(), "error_sq": error.square().sum()})
     s = timer.seconds
-    peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **maxes, **sync, "gen_s": s["generate"], "ref_s": s.get("reference", 0.0),
-        "rm_s": s.get("reward_model", 0.0), "values_s": s["values"], "train_s": s["train"],
-        "critic_s": s["critic_train"], "mem_gib": dist.peak_memory_gib(plan.device),
-        "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
+    total, peak = reduce_step(step, got, mask, timer, engine, plan, sums={
+        **train[0], "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(),
+        "returns_sq": batch["returns"].square().sum(), "error": error.sum(), "error_sq": error.square().sum()},
+        maxes={**train[1], **sync, "values_s": s["values"], "critic_s": s["critic_train"]})
     if plan.rank != 0:
         return None
-    N = total["completions"]
     S = max(1.0, total["scored"])  # completions with a reward
     T = max(1.0, total["completion_tokens"])  # their tokens: what the losses see
-    metrics.update({
-        "rollout/reward": total["reward"] / S, "rollout/response_len": total["len"] / N,
-        "rollout/truncated": total["truncated"] / N})
-    for name in parts:
-        metrics[f"rollout/{name}"] = total[name] / S
     # explained variance of the returns by the rollout values: 1 - Var(R - V) / Var(R), over the tokens
     var_returns = total["returns_sq"] / T - (total["returns"] / T) ** 2
     var_error = total["error_sq"] / T - (total["error"] / T) ** 2
     metrics.update({
-        "reward/failures": total["failures"], "train/pg_loss": total.get("pg_loss", 0.0) / T,
-        "train/kl": total["kl_sum"] / T, "train/kl_per_completion": total["kl_sum"] / S, "train/kl_coef": kl_coef,
-        "train/clip_frac": total.get("clipped_tokens", 0.0) / T, "train/grad_norm": peak["grad_norm"],
+        **step_metrics(total, peak, got, actor, plan), "train/kl": total["kl_sum"] / T,
+        "train/kl_per_completion": total["kl_sum"] / S, "train/kl_coef": kl_coef,
         "train/value_loss": total.get("value_loss", 0.0) / T, "train/value_mean": total["values"] / T,
         "train/value_clip_frac": total.get("value_clipped", 0.0) / T,
         "train/explained_variance": 1 - var_error / var_returns if var_returns > 1e-12 else 0.0,
-        "train/value_grad_norm": peak.get("value_grad_norm", 0.0), "train/lr": actor.sched.get_last_lr()[0],
-        "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
-        "train/logprob_gap_max": peak["gap_max"], "train/rows_trained": total["rows"] / N,
-        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
-        "perf/values_s": peak["values_s"], "perf/train_s": peak["train_s"], "perf/critic_train_s": peak["critic_s"],
-        "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"], "perf/step_s": peak["step_s"],
-        "perf/tokens_per_s": total["len"] / peak["step_s"], "perf/peak_mem_gib": peak["mem_gib"],
-        "perf/peak_mem_added_gib": peak["mem_added_gib"], "perf/sync_gather_s": peak["sync_gather_s"]})
-    metrics.update(placement.metrics(plan, total, peak))
+        "train/value_grad_norm": peak.get("value_grad_norm", 0.0), "perf/values_s": peak["values_s"],
+        "perf/critic_train_s": peak["critic_s"]})
     return metrics
 
 
