@@ -1,26 +1,19 @@
 """Which rank plays which role (`plan`), the engine each rank gets (`engine_for`), moving
 weights from the trainers to the engines (`sync`), and where each role's time went
-(`phase_metrics`).
+(`phase_metrics`, `metrics`). The layout is fixed for a launch (rebalance.py moves ranks by a
+checkpoint and a restart).
 
-colocate (G-Core's full colocation): every rank is a trainer and a rollout engine at once,
-taking turns on the same device. Before generation each rank all-gathers the actor's FSDP2
-shards block by block straight into its own engine; after generation the engine drops its
-weights and cache so that training gets the memory back.
-
-partial (G-Core's partial colocation, with a generative judge): every rank trains (FSDP2
-over all of them), and for the rollout the ranks split: the first S sample with the policy
-while the other G = N - S judge with the frozen judge model, at the same time. Finished
-groups stream from the sampler to the judge a chunk at a time, so judging overlaps
-generation (roles/rollout.py `sample_and_stream`, roles/judge.py `judge_stream`); the weights
-go to the sampler ranks only. Staleness is 0.
-
-disaggregate: ranks 0..N-K-1 train (FSDP2 over their own mesh), ranks N-K..N-1 only
-generate, at the same time. Trainer i is paired with rollout rank N-K + i % K and talks to
-it point to point (its prompts out, its samples back); after each optimizer step the
-trainers gather the full weights block by block and trainer 0 broadcasts them in buckets
-of bounded bytes to the rollout ranks over their own group (NCCL on GPU, gloo on CPU), or,
-when the rollout ranks run vLLM, straight into their vLLM workers through vLLM's
-weight-transfer layer (utils/vllm_transfer.py: our gloo backend on CPU, vLLM's nccl on GPU).
+colocate (G-Core's full colocation): every rank trains and generates, taking turns on its device;
+before generation it all-gathers the actor's FSDP2 shards block by block straight into its own
+engine, which drops its weights and cache after generation so that training gets the memory back.
+partial (G-Core's partial colocation, with a generative judge): every rank trains; for the rollout
+the first S ranks sample while the other N - S judge, at the same time, finished groups streaming
+from sampler to judge (rollouts.py `Streamed`); the weights go to the sampler ranks only.
+disaggregate: ranks 0..N-K-1 train (FSDP2 over their own mesh), ranks N-K..N-1 only generate;
+trainer i talks point to point to rollout rank N-K + i % K (roles/rollout.py); after each step the
+trainers gather the full weights block by block and trainer 0 broadcasts them in buckets over its
+own group (NCCL on GPU, gloo on CPU), or into vLLM workers through vLLM's weight-transfer layer
+(utils/vllm_transfer.py).
 """
 import datetime
 import math
@@ -35,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from roles.rollout import RemoteEngine, agree_on_transfer
 from utils.engines import NoEngine
-from utils.errors import UserError
+from utils.errors import UserError, check_rules
+from utils.logger import Timer
 
 
 @dataclass
@@ -57,8 +51,6 @@ class PlacementArgs:
 
     def check(self, world: int, prompts_per_step: int) -> "Layout":
         """The flags' ranges, then the layout (`check`): no process group needed."""
-        from run import check_rules
-
         check_rules(self, [
             ("rollout_ranks", self.rollout_ranks >= 0, "0 (colocate) or more"),
             ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "a positive size in MiB"),
@@ -250,12 +242,13 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     return engine
 
 
-def sync(plan: Plan, actor, engine, version: int, timer) -> dict:
+def sync(plan: Plan, actor, engine, version: int, timer=None) -> dict:
     """Give the engine the actor's current full weights as policy `version` (the number of
     optimizer steps behind them), once it has answered every request sent ahead (disaggregate:
     the rollout ranks serve in order; the `wait` phase). The weights come from FSDP2 all-gathers,
     one block at a time, in which every trainer takes part. Returns the seconds (all, and those
     spent gathering) and the bytes moved."""
+    timer = timer or Timer()
     with timer("wait"):
         engine.collect()
     with timer("sync"):
@@ -342,20 +335,3 @@ def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float, tally: dict 
         device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
     return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
             "rollout_idle": rollout_idle, "device_idle": device_idle}
-
-
-def metrics(plan: Plan, total: dict, peak: dict) -> dict:
-    """The placement/ metrics from a step's reduced sums (phase_metrics' over the trainers) and
-    maxima: per role, the mean over the trainer ranks (partial: per sampler and per judge rank)."""
-    out = {}
-    for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
-        out[f"placement/{role}_s"] = total[role] / plan.dp
-    if plan.mode == "partial":
-        for role in ("sampler_busy", "sampler_idle"):
-            out[f"placement/{role}_s"] = total[role] / plan.layout.sampler
-        for role in ("judge_busy", "judge_idle"):
-            out[f"placement/{role}_s"] = total[role] / plan.layout.judge
-    out["placement/idle_share"] = total["device_idle"] / (plan.layout.world * peak["step_s"])
-    out["placement/staleness_max"] = peak["staleness"]
-    out["placement/staleness_mean"] = total["staleness"] / plan.dp
-    return out

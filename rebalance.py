@@ -19,7 +19,7 @@ import torch
 import placement
 from placement import Layout
 from utils import checkpoint, dist
-from utils.errors import UserError
+from utils.errors import UserError, check_rules
 
 MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and each move's numbers
 MOVE_EXIT = 3  # a rank's exit code after a move: torchrun (--max-restarts) starts the new layout
@@ -44,8 +44,6 @@ class RebalanceArgs:
     measurements say"""
 
     def check(self, args, world: int, layout: Layout):
-        from run import check_rules
-
         check_rules(self, [
             ("rebalance", not self.rebalance or args.layout.placement == "disaggregate",
              "it moves ranks between trainers and rollout ranks: add --placement disaggregate --rollout-ranks K"),

@@ -23,6 +23,7 @@ from roles.judge import judge_chunk
 from utils import algos, dist
 from utils.data import PromptStream, prompt_seed, step_prompts
 from utils.engines import SamplingParams, Samples
+from utils.errors import check_rules
 
 MAX = torch.distributed.ReduceOp.MAX
 GROUP_BASELINES = ("grpo", "rloo", "reinforce++_baseline")  # advantage 0 when a group's rewards agree
@@ -44,8 +45,6 @@ class DynamicSamplingArgs:
     """dynamic sampling: waves after the first, at most, per step"""
 
     def check(self, args):
-        from run import check_rules
-
         check_rules(self, [
             ("dynamic_sampling", not self.dynamic_sampling or args.layout.max_staleness == 0,
              "it decides each refill from the last wave's rewards, so it runs on-policy: drop --max-staleness"),

@@ -18,7 +18,7 @@ import placement
 from utils import checkpoint, dist, errors
 from utils.data import BUILTIN, Tokenizer, eval_source, load_rows, prompt_seed, tokenize_rows
 from utils.engines import SamplingParams, Samples
-from utils.errors import UserError
+from utils.errors import UserError, check_rules
 from utils.logger import Logger, Timer
 from utils.model import check_checkpoint, local_dir, read_config
 from utils.plot import plot
@@ -27,13 +27,6 @@ MAX = torch.distributed.ReduceOp.MAX
 T = TypeVar("T")
 # a component's flags, nested in a script's Args under their own names (no prefix): Flat[JudgeArgs]
 Flat = Annotated[T, tyro.conf.OmitArgPrefixes]
-
-
-def check_rules(cfg, rules):
-    """rules: [(flag, holds, what to use instead)]; the first that does not hold is the error."""
-    for flag, holds, use in rules:
-        if not holds:
-            raise UserError(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: use {use}")
 
 
 @dataclass
@@ -221,8 +214,25 @@ def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
         "perf/step_s": peak["step_s"], "perf/tokens_per_s": total["len"] / peak["step_s"],
         "perf/peak_mem_gib": peak["mem_gib"], "perf/peak_mem_added_gib": peak["mem_added_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
-    metrics.update(placement.metrics(plan, total, peak))
+    metrics.update(placement_metrics(plan, total, peak))
     return metrics
+
+
+def placement_metrics(plan, total: dict, peak: dict) -> dict:
+    """The placement/ metrics from a step's reduced sums (phase_metrics' over the trainers) and
+    maxima: per role, the mean over the trainer ranks (partial: per sampler and per judge rank)."""
+    out = {}
+    for role in ("trainer_busy", "trainer_idle", "rollout_busy", "rollout_idle"):
+        out[f"placement/{role}_s"] = total[role] / plan.dp
+    if plan.mode == "partial":
+        for role in ("sampler_busy", "sampler_idle"):
+            out[f"placement/{role}_s"] = total[role] / plan.layout.sampler
+        for role in ("judge_busy", "judge_idle"):
+            out[f"placement/{role}_s"] = total[role] / plan.layout.judge
+    out["placement/idle_share"] = total["device_idle"] / (plan.layout.world * peak["step_s"])
+    out["placement/staleness_max"] = peak["staleness"]
+    out["placement/staleness_mean"] = total["staleness"] / plan.dp
+    return out
 
 
 class Run:

@@ -34,12 +34,12 @@ from roles.reference import Reference
 from roles.reward import OverlongArgs, RewardArgs, Scorer
 from roles.reward_model import RewardModel
 from rollouts import DynamicSamplingArgs
-from run import (DataArgs, Evaluator, Flat, Run, RunArgs, check_rules, load_prompts, parse, reduce_step,
-                 rollout_rank, step_metrics)
+from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
+                 step_metrics)
 from utils import algos, dist, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, make_engine
-from utils.errors import UserError
+from utils.errors import UserError, check_rules
 from utils.logger import Timer
 from utils.mismatch import Correction, MismatchArgs
 from utils.model import read_config

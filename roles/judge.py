@@ -29,7 +29,8 @@ import torch
 
 from utils.data import Tokenizer, dataset_columns, per_sample
 from utils.engines import SamplingParams, make_engine
-from utils.errors import UserError
+from utils import model
+from utils.errors import UserError, check_rules
 
 MARKER = "Is the answer correct (Yes/No)?"
 # what assets/judge-tiny was trained on (utils.tiny.judge_checkpoint); a completion comes after
@@ -62,9 +63,6 @@ class JudgeArgs:
 
     def check(self, args):
         """The flags, then (a hub id becomes its snapshot) the checkpoint and the template."""
-        from run import check_rules
-        from utils.model import local_dir
-
         check_rules(self, [
             ("judge_model", (self.judge_model is None) == ("judge" not in args.reward.rewards),
              "a judge together with the `judge` term of --rewards (say both, or neither)"),
@@ -75,7 +73,7 @@ class JudgeArgs:
             ("judge_max_new_tokens", self.judge_max_new_tokens >= 1, "1 or more"),
             ("judge_chunk", self.judge_chunk >= 1, "1 or more prompts")])
         if self.judge_model:
-            self.judge_model = local_dir(self.judge_model, "--judge-model")
+            self.judge_model = model.local_dir(self.judge_model, "--judge-model")
             check(self.judge_model, self.judge_template)
 
 
@@ -249,19 +247,17 @@ def make_judge(path: str, kind: str, device, dtype, max_model_len: int, seed: in
                samples: int, temperature: float, max_new_tokens: int, timeout_s: float) -> Judge:
     """The judge of the checkpoint at `path` (--judge-model) on an engine of `kind` (--engine),
     its weights not loaded yet (`Judge.load`). template: as --judge-template (read_template)."""
-    from utils.model import iter_checkpoint, read_config
-
     check(path, template)
-    cfg, tok = read_config(path), Tokenizer(path)
-    weights = dict(iter_checkpoint(path))
+    cfg, tok = model.read_config(path), Tokenizer(path)
+    weights = dict(model.iter_checkpoint(path))
     engine = make_engine(kind, path, cfg, tok, device, dtype, max_model_len, seed)
     return Judge(engine, tok, weights, read_template(template), samples, temperature, max_new_tokens,
                  timeout_s, max_model_len)
 
 
 def for_run(args, plan, rows, device, dtype, max_len: int):
-    """The judge of a train script's --judge-model (None without one): on every trainer rank
-    (partial: only the judge ranks), its template checked against the dataset's columns."""
+    """--judge-model's judge on every trainer rank (partial: the judge ranks only), its template
+    checked against the dataset's columns; None without one."""
     cfg = args.judge
     if not cfg.judge_model or (plan.mode == "partial" and plan.sampler):
         return None
@@ -290,12 +286,10 @@ def judge_chunk(judge, rows, seeds, samples, n: int):
 
 def check(path: str, template: str | None):
     """--judge-model and --judge-template, before any process group: a readable causal model."""
-    from utils.model import check_checkpoint, read_config
-
     try:
-        cfg = read_config(path)
+        cfg = model.read_config(path)
         Tokenizer(path)
-        check_checkpoint(path)
+        model.check_checkpoint(path)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"--judge-model: {e}") from None
     if cfg.scores:

@@ -1,4 +1,4 @@
-"""The reward role: rule verifiers, a format reward, and user functions.
+"""The reward role: `Scorer` scores a rollout's samples (the reward model, the judge, the terms).
 
 A reward is a sum of weighted terms, each either built in or `module:function`:
     accuracy   1 if the completion's final answer equals the row's answer (last number,
@@ -6,11 +6,10 @@ A reward is a sum of weighted terms, each either built in or `module:function`:
     format     1 if the completion ended by itself (EOS or a stop string) with an answer in it
     code       1 if the completion's code (its last ```python block, or all of it) followed by
                the row's `tests` column exits cleanly in a sandbox: a separate process with a
-               time limit, a memory limit, no network and its own PID namespace
-    rm         a Bradley-Terry reward model's score (--reward-model DIR, roles/reward_model.py); the
-               train script runs the model and hands its scores to `Reward.score`
+               time limit, a memory limit, no network and its own PID namespace (utils/sandbox.py)
+    rm         a Bradley-Terry reward model's score (--reward-model DIR, roles/reward_model.py)
     judge      a generative judge's verdict, +1 yes to -1 no averaged over its samples (--judge-model
-               DIR, roles/judge.py); handed in the same way (NaN: the judge failed on that sample)
+               DIR, roles/judge.py; NaN: the judge failed on that sample)
     pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float]
 A user function that raises is retried sample by sample; a sample that still fails scores 0
 and is counted in the step's metrics (`reward/failures`); so does a call that runs past the
@@ -26,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from roles import reward_model
+from roles.judge import judge_chunk
 from utils import algos
+from utils.model import local_dir
 from utils.data import dataset_columns, make_batch, per_sample
-from utils.errors import UserError
+from utils.errors import UserError, check_rules
 from utils.sandbox import check_sandbox, run_sandboxed
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -123,10 +125,6 @@ class RewardArgs:
 
     def check(self, data):
         """The flags, then (a hub id becomes its snapshot) the reward model's checkpoint."""
-        from roles import reward_model
-        from run import check_rules
-        from utils.model import local_dir
-
         check_rules(self, [
             ("rewards", len(self.rewards) >= 1, "at least one reward term"),
             ("reward_weights", len(self.reward_weights) in (0, len(self.rewards)),
@@ -155,8 +153,6 @@ class OverlongArgs:
     """completions cut off at --max-new-tokens leave the loss (DAPO's overlong filtering)"""
 
     def check(self, max_new_tokens: int):
-        from run import check_rules
-
         check_rules(self, [
             ("overlong_buffer", 0 <= self.overlong_buffer <= max_new_tokens,
              f"0 (off) or a number of tokens up to --max-new-tokens ({max_new_tokens})"),
@@ -178,8 +174,6 @@ class Scorer:
     def score(self, rows, seeds, out, judged, n: int, timer, tally: dict):
         """rows, seeds: one per prompt; out: n samples each; judged [N] or None. Returns
         (rewards [N], {term: [N]}, failed [N] bool: no reward)."""
-        from roles.judge import judge_chunk
-
         if self.judge and judged is None:
             with timer("judge"):
                 self.judge.load()

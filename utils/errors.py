@@ -26,6 +26,14 @@ class UserError(ValueError):
     """A mistake in a flag, a file or a user's function; the message says what to change."""
 
 
+def check_rules(cfg, rules):
+    """rules: [(flag, holds, what to use instead)] over the fields of `cfg` (a flags dataclass);
+    the first that does not hold is the error, naming the flag and its value."""
+    for flag, holds, use in rules:
+        if not holds:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: use {use}")
+
+
 def install():
     """Route uncaught exceptions through `_report`."""
     sys.excepthook = _report

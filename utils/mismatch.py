@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from utils import algos
+from utils.errors import check_rules
 
 
 @dataclass
@@ -27,12 +28,8 @@ class MismatchArgs:
     """tis: the truncation C; mis, icepop: the upper bound on r"""
 
     def check(self):
-        from utils.errors import UserError
-
-        for flag, holds, use in [("mismatch_low", 0 <= self.mismatch_low <= 1, "a number in [0, 1], such as 0.5"),
-                                 ("mismatch_high", 1 <= self.mismatch_high < math.inf, "1 or more, such as 2")]:
-            if not holds:
-                raise UserError(f"--{flag.replace('_', '-')} {getattr(self, flag)}: use {use}")
+        check_rules(self, [("mismatch_low", 0 <= self.mismatch_low <= 1, "a number in [0, 1], such as 0.5"),
+                           ("mismatch_high", 1 <= self.mismatch_high < math.inf, "1 or more, such as 2")])
 
 
 class Correction:
