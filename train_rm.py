@@ -20,10 +20,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from roles.actor import lr_factor
-from utils import dist, errors
+from run import parse
+from utils import dist
 from utils.algos import bradley_terry_loss
 from utils.data import BUILTIN, Tokenizer, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
-from utils.errors import UserError
+from utils.errors import UserError, check_rules
 from utils.model import check_checkpoint, local_dir, read_config, save_model, sequence_scores
 
 
@@ -76,7 +77,7 @@ class Args:
 
 def check_args(args: Args, world: int):
     """Every flag's range, before any process group or model load, with what to change."""
-    rules = [  # (flag, holds, what to use instead)
+    check_rules(args, [  # (flag, holds, what to use instead)
         ("eval_fraction", 0 <= args.eval_fraction < 1, "a share in [0, 1)"),
         ("eval_every", args.eval_every >= 0, "0 (start and end only) or a number of steps"),
         ("eval_pairs", args.eval_pairs >= 1, "1 or more"),
@@ -89,11 +90,7 @@ def check_args(args: Args, world: int):
         ("max_tokens", args.max_tokens >= 2, "2 or more"),
         ("log_every", args.log_every >= 1, "1 or more"),
         ("out", not os.path.isfile(args.out), "a directory (this is a file)"),
-        ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds"),
-    ]
-    for flag, holds, use in rules:
-        if not holds:
-            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use {use}")
+        ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds")])
     # hub ids (ORG/NAME) become their downloaded snapshot (computed at runtime)
     args.model = local_dir(args.model)
     try:
@@ -151,9 +148,7 @@ def evaluate(model, pairs, per_rank: int, pad_id: int, device, rank: int, world:
 
 
 if __name__ == "__main__":
-    args = errors.cli(Args)
-    errors.install()  # a UserError ends the run with one line, `error: ...` (RL_DEBUG=1: a traceback)
-    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    args = parse(Args, check_args)
     tok = Tokenizer(args.model)
     rank, world, device = dist.init(args.timeout_s)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))  # one role: every rank trains

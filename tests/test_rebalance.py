@@ -1,8 +1,9 @@
-"""The rebalancing decision (placement.rebalance), from made-up timings: a steady skew moves,
+"""The rebalancing decision (rebalance.decide), from made-up timings: a steady skew moves,
 noise does not, a move that does not pay is not made, and no move leaves what `check` accepts."""
 import random
 
-from placement import Layout, rebalance, splits
+from placement import Layout
+from rebalance import decide as rebalance, splits
 
 N = 4  # ranks
 
