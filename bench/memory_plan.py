@@ -1,4 +1,4 @@
-"""The README's launch recipes with the memory plan beside each (utils/memory.py): Qwen2.5 and
+"""The launch recipes of docs/scale.md with the memory plan beside each (utils/memory.py): Qwen2.5 and
 Qwen3 from 0.5B to 8B on 1, 8 and 16 GPUs of 80 GiB, vLLM as the engine, bf16. The shapes are
 those of the published config.json files (their parameter counts are printed to check them).
 An estimate, not a measurement: no GPU has run these here.

