@@ -1,0 +1,80 @@
+"""The components the step loops call: chosen from the flags before the loop, and doing nothing
+when their flags are off (the end-to-end runs in the other tests check what they do when on)."""
+from types import SimpleNamespace
+
+import torch
+import tyro
+
+import rollouts
+from rebalance import Rebalancer
+from train_grpo import Args
+from utils import algos
+from utils.logger import Timer
+from utils.mismatch import Correction
+
+
+def parse(*flags):
+    return tyro.cli(Args, args=list(flags))
+
+
+def plan(mode="colocate"):
+    return SimpleNamespace(mode=mode, dp=2, rank=0, sampler=True)
+
+
+def chosen(args, mode="colocate"):
+    """The class names of the rollout `rollouts.make` builds, outermost first."""
+    rollout, names = rollouts.make(None, None, [], args, plan(mode), None, {}), []
+    while rollout is not None:
+        names.append(type(rollout).__name__)
+        rollout = getattr(rollout, "inner", None)
+    return names
+
+
+def test_the_rollout_is_the_placement_s_own_wrapped_by_the_flags():
+    assert chosen(parse()) == ["OnPolicy"]
+    assert chosen(parse("--placement", "disaggregate", "--max-staleness", "1")) == ["Ahead"]
+    assert chosen(parse("--placement", "disaggregate")) == ["OnPolicy"]  # staleness 0: the colocate path
+    assert chosen(parse("--placement", "partial"), "partial") == ["Streamed"]
+    assert chosen(parse("--dynamic-sampling")) == ["DynamicSampling", "OnPolicy"]
+    assert chosen(parse("--advantage", "remax")) == ["ReMax", "OnPolicy"]
+    assert rollouts.make(None, None, [], parse(), plan(), None, {}).saved() == ({}, {})  # no state to carry
+
+
+def test_flags_keep_their_names_and_land_in_their_component():
+    args = parse("--judge-samples", "3", "--ds-oversampling", "2", "--mismatch", "tis", "--rollout-ranks",
+                 "1", "--rebalance-gap", "30", "--run-dir", "x", "--model", "m", "--rewards", "format",
+                 "--overlong-buffer", "2")
+    assert (args.judge.judge_samples, args.ds.ds_oversampling, args.correction.mismatch) == (3, 2.0, "tis")
+    assert (args.layout.rollout_ranks, args.balance.rebalance_gap, args.run.run_dir) == (1, 30, "x")
+    assert (args.data.model, args.reward.rewards, args.overlong.overlong_buffer) == ("m", ("format",), 2)
+
+
+def test_components_off_do_nothing():
+    batch = {"old_logp": torch.randn(2, 3), "loss_mask": torch.ones(2, 3)}
+    before = {k: v.clone() for k, v in batch.items()}
+    correction = Correction(parse().correction, actor=None)  # off: it never calls the actor
+    correction.apply(batch, Timer())
+    assert batch.keys() == before.keys() and all(torch.equal(batch[k], before[k]) for k in batch)
+    assert (correction.sums, correction.maxes, correction.metrics({}, {})) == ({}, {}, {})
+    rebalancer = Rebalancer(parse(), plan("disaggregate"), None, moved={}, start=0, launched=0.0, log=None)
+    assert not rebalancer.after_step(0, {"trainer_busy": 1.0, "rollout_busy": 9.0, "step_s": 10.0})
+    assert rebalancer.exit_code == 0 and rebalancer.window == []
+
+
+def test_the_menu_dicts_call_the_functions_they_name():
+    torch.manual_seed(0)
+    n, args = 4, parse("--advantage", "rloo", "--num-generations", "4")
+    rewards, scored = torch.rand(8), torch.tensor([True] * 7 + [False])
+    mask = torch.ones(8, 3)
+    got = SimpleNamespace(rewards=rewards, scored=scored, baseline=torch.tensor([0.5, 0.25]))
+    rloo = algos.ADVANTAGES["rloo"](got, {"loss_mask": mask}, args, None)
+    want = algos.rloo_advantages(rewards.view(-1, n), scored.view(-1, n)).reshape(-1, 1).expand(8, 3)
+    assert torch.equal(rloo, want)
+    remax_args = parse("--advantage", "remax", "--num-generations", "4")
+    remax = algos.ADVANTAGES["remax"](got, {"loss_mask": mask}, remax_args, None)
+    assert torch.equal(remax[:, 0], (rewards - torch.tensor([0.5] * 4 + [0.25] * 4)) * scored)
+    logp, old, adv = torch.randn(8, 3), torch.randn(8, 3), torch.randn(8, 3)
+    a = parse("--policy-loss", "cispo")
+    for got_, want in zip(algos.POLICY_LOSSES["cispo"](logp, old, adv, mask, a),
+                          algos.cispo_loss(logp, old, adv, a.clip_low, a.clip_high)):
+        assert torch.equal(got_, want)
