@@ -23,6 +23,7 @@ from utils.errors import UserError, check_rules
 
 MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and each move's numbers
 MOVE_EXIT = 3  # a rank's exit code after a move: torchrun (--max-restarts) starts the new layout
+MAX = torch.distributed.ReduceOp.MAX
 
 
 @dataclass
@@ -46,13 +47,16 @@ class RebalanceArgs:
     def check(self, args, world: int, layout: Layout):
         check_rules(self, [
             ("rebalance", not self.rebalance or args.layout.placement == "disaggregate",
-             "it moves ranks between trainers and rollout ranks: add --placement disaggregate --rollout-ranks K"),
+             "it moves ranks between trainers and rollout ranks: add --placement disaggregate "
+             "--rollout-ranks K"),
             ("rebalance", not self.rebalance or not args.ds.dynamic_sampling,
-             "dynamic sampling keeps a prompt stream per trainer, which a move would split differently; drop one"),
+             "dynamic sampling keeps a prompt stream per trainer, which a move would split differently; "
+             "drop one"),
             ("rebalance", not self.rebalance or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) >= 1,
              "a move restarts the workers in the new layout: launch with torchrun --max-restarts N (one per "
              "move you allow, plus those for failures)"),
-            ("rebalance_threshold", 0 <= self.rebalance_threshold < 1, "a share of a step in [0, 1), such as 0.1"),
+            ("rebalance_threshold", 0 <= self.rebalance_threshold < 1,
+             "a share of a step in [0, 1), such as 0.1"),
             ("rebalance_window", self.rebalance_window >= 1, "1 or more steps"),
             ("rebalance_gap", self.rebalance_gap >= self.rebalance_window,
              f"at least --rebalance-window ({self.rebalance_window}): a decision reads only steps since the "
@@ -181,11 +185,12 @@ class Rebalancer:
         after a move, the training state must be the one it left with, exactly (a digest of it)."""
         last = moved["moves"][-1] if moved else None
         since = last["at"] if last else launched
-        cost_s = dist.reduce({"s": time.time() - since}, op=torch.distributed.ReduceOp.MAX, group=self.plan.trainer_group)["s"]
+        cost_s = dist.reduce({"s": time.time() - since}, op=MAX, group=self.plan.trainer_group)["s"]
         if last and last["step"] == start:
             if checkpoint.digest(self.actor) != last["digest"]:
-                raise RuntimeError(f"the move after step {start} did not carry the training state exactly (its "
-                                   f"digest differs): a bug; {checkpoint.last_complete(self.args.run.run_dir)}")
+                raise RuntimeError(f"the move after step {start} did not carry the training state exactly "
+                                   f"(its digest differs): a bug; "
+                                   f"{checkpoint.last_complete(self.args.run.run_dir)}")
             if self.plan.rank == 0:
                 self.log.log(start - 1, {"event": "placement/moved", "placement/move_s": cost_s,
                                          "placement/move_state_equal": 1.0,
@@ -212,8 +217,8 @@ class Rebalancer:
             return False
         if self.plan.rank == 0:
             k = move.layout.rollout
-            print(f"moving: every rank stops; torchrun restarts them as {self.plan.layout.world - k} trainers + "
-                  f"{k} rollout ranks, resuming at step {step + 2}", flush=True)
+            print(f"moving: every rank stops; torchrun restarts them as {self.plan.layout.world - k} "
+                  f"trainers + {k} rollout ranks, resuming at step {step + 2}", flush=True)
         self.exit_code = MOVE_EXIT
         return True
 
@@ -229,16 +234,18 @@ class Rebalancer:
             return Move(to, f"{layout.rollout} -> {to.rollout} rollout ranks: forced (--rebalance-force)",
                         self.window[-1]["step_s"], self.window[-1]["step_s"])
         horizon = min(self.cfg.rebalance_gap, args.steps - step - 1)
-        return decide(self.window[-self.cfg.rebalance_window:], layout, fits, args.layout.max_staleness,
-                      self.cost_s, horizon, self.cfg.rebalance_threshold, self.since_move, self.cfg.rebalance_gap)
+        cfg = self.cfg
+        return decide(self.window[-cfg.rebalance_window:], layout, fits, args.layout.max_staleness,
+                      self.cost_s, horizon, cfg.rebalance_threshold, self.since_move, cfg.rebalance_gap)
 
     def _move(self, step: int, move: Move, saved) -> bool:
         """The move after `step`: a checkpoint, then rank 0 writes the new layout and logs why.
         False (no move) when the checkpoint failed: the run goes on as it was."""
         run_dir = self.args.run.run_dir
-        record = {"step": step + 1, "at": time.time(), "from": self.plan.layout.rollout, "to": move.layout.rollout,
-                  "why": move.why, "step_s": move.step_s, "predicted_s": move.predicted_s, "gain_s": move.gain_s,
-                  "cost_s": self.cost_s, "digest": checkpoint.digest(self.actor)}
+        record = {"step": step + 1, "at": time.time(), "from": self.plan.layout.rollout,
+                  "to": move.layout.rollout, "why": move.why, "step_s": move.step_s,
+                  "predicted_s": move.predicted_s, "gain_s": move.gain_s, "cost_s": self.cost_s,
+                  "digest": checkpoint.digest(self.actor)}
         done = checkpoint.save(run_dir, step + 1, self.actor, self.args.run.keep_last, self.plan.rank,
                                extra=saved[0], rank_state=saved[1])
         if done["path"] is None:
@@ -249,9 +256,12 @@ class Rebalancer:
         if self.plan.rank == 0:
             record_move(run_dir, record)
             self.log.log(step, {"event": "placement/rebalance", "placement/rebalance_why": move.why,
-                                "placement/rebalance_from": record["from"], "placement/rebalance_to": record["to"],
+                                "placement/rebalance_from": record["from"],
+                                "placement/rebalance_to": record["to"],
                                 "placement/rebalance_step_s": move.step_s,
                                 "placement/rebalance_predicted_s": move.predicted_s,
-                                "placement/rebalance_gain_s": move.gain_s, "placement/rebalance_cost_s": self.cost_s})
-        torch.distributed.barrier(group=self.plan.trainer_group)  # the new layout is on disk before any rank leaves
+                                "placement/rebalance_gain_s": move.gain_s,
+                                "placement/rebalance_cost_s": self.cost_s})
+        # the new layout is on disk before any rank leaves
+        torch.distributed.barrier(group=self.plan.trainer_group)
         return True

@@ -1,5 +1,5 @@
-"""How a step's scored samples are made: one object per way, chosen once before the loop (`make`),
-called once a step (`step`), each returning a `Rollout`.
+"""How a step's scored samples are made: one object per way, chosen once before the loop (`choose`),
+called once a step (`step`, which `make`s the step's Rollout and then releases the engine).
 
     OnPolicy         colocate (this rank's own engine, taking turns with training) and disaggregate
                      at --max-staleness 0 (its rollout rank, behind the same engine methods)
@@ -47,10 +47,12 @@ class DynamicSamplingArgs:
     def check(self, args):
         check_rules(self, [
             ("dynamic_sampling", not self.dynamic_sampling or args.layout.max_staleness == 0,
-             "it decides each refill from the last wave's rewards, so it runs on-policy: drop --max-staleness"),
+             "it decides each refill from the last wave's rewards, so it runs on-policy: "
+             "drop --max-staleness"),
             ("dynamic_sampling", not self.dynamic_sampling or args.advantage in GROUP_BASELINES,
-             f"it drops groups whose rewards are all equal, which carry no signal only under a group baseline "
-             f"(grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}; drop one of the two"),
+             f"it drops groups whose rewards are all equal, which carry no signal only under a group "
+             f"baseline (grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}; drop one of "
+             f"the two"),
             ("ds_oversampling", 0 < self.ds_oversampling < math.inf, "a positive factor such as 1.2"),
             ("ds_max_refills", self.ds_max_refills >= 0, "0 (one wave) or more")])
 
@@ -92,8 +94,8 @@ class OnPolicy:
         return got
 
     def make(self, step: int, timer, tally) -> Rollout:
-        rows, seeds = step_prompts(self.rows, step, self.args.prompts_per_step, self.args.run.seed, self.plan.rank,
-                                   self.plan.dp)
+        args, plan = self.args, self.plan
+        rows, seeds = step_prompts(self.rows, step, args.prompts_per_step, args.run.seed, plan.rank, plan.dp)
         out, judged = self.generate(rows, seeds, timer, tally)
         scores = self.scorer.score(rows, seeds, out, judged, self.n, timer, tally)  # [N], {term: [N]}, [N]
         return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
@@ -202,12 +204,15 @@ class DynamicSampling:
                 break
             picked = self.stream.take(algos.wave_size(gap, self.ema, args.ds.ds_oversampling))
             wave_rows = [inner.rows[i] for i in picked]
-            seeds = [prompt_seed(args.run.seed, step, plan.rank + i * plan.dp, wave) for i in range(len(picked))]
+            seeds = [prompt_seed(args.run.seed, step, plan.rank + i * plan.dp, wave)
+                     for i in range(len(picked))]
             out, judged = inner.generate(wave_rows, seeds, timer, tally)
             waves += 1
-            if not picked:  # this rank's share is full: it only took part (a remote engine expects every rank)
+            # this rank's share is full: it only took part (a remote engine expects every rank)
+            if not picked:
                 continue
-            rewards, parts, failed = inner.scorer.score(wave_rows, seeds, out, judged, n, timer, tally)  # [k * n]
+            # [k * n] each
+            rewards, parts, failed = inner.scorer.score(wave_rows, seeds, out, judged, n, timer, tally)
             informative += algos.informative_groups(rewards.view(-1, n), (~failed).view(-1, n)).tolist()
             drawn.append(picked)
             outs.append(out)
@@ -230,7 +235,8 @@ class DynamicSampling:
         counts = dist.reduce(group=plan.trainer_group, values={
             "generated": len(informative), "informative": sum(informative), "kept": len(good[:target]),
             "padded": int(padded.sum()) // n, "unused_tokens": out.lengths.sum() - kept_tokens})
-        self.ema = algos.sampling_ema(self.ema, counts["generated"], counts["informative"], DS_DECAY, DS_MAX_RATIO)
+        self.ema = algos.sampling_ema(self.ema, counts["generated"], counts["informative"], DS_DECAY,
+                                      DS_MAX_RATIO)
         rows = [inner.rows[flat[g]] for g in chosen]
         got = inner.finish(rows, out.take(sample_rows), (rewards, parts, failed), padded, tally)
         got.metrics = {
@@ -261,7 +267,8 @@ class ReMax:
     def make(self, step: int, timer, tally) -> Rollout:
         inner, plan = self.inner, self.inner.plan
         got = inner.make(step, timer, tally)
-        seeds = [prompt_seed(inner.args.run.seed, step, plan.rank + i * plan.dp) for i in range(len(got.rows))]
+        seeds = [prompt_seed(inner.args.run.seed, step, plan.rank + i * plan.dp)
+                 for i in range(len(got.rows))]
         with timer("generate"):
             out = inner.engine.generate([r["ids"] for r in got.rows], self.greedy, seeds)
         got.baseline, _, failed = inner.scorer.score(got.rows, seeds, out, None, 1, timer, tally)  # [G] each
@@ -273,7 +280,7 @@ class ReMax:
         return self.inner.saved()
 
 
-def make(engine, scorer, rows: list[dict], args, plan, judge, resumed: dict):
+def choose(engine, scorer, rows: list[dict], args, plan, judge, resumed: dict):
     """train_grpo.py's rollout for its flags: the placement's own, wrapped by --dynamic-sampling or
     --advantage remax when asked (check_args refuses the combinations that cannot work)."""
     if plan.mode == "partial":

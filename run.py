@@ -101,13 +101,15 @@ class RunArgs:
             ("save_every", self.save_every >= 0, "0 (on SIGTERM only) or a number of steps"),
             ("keep_last", self.keep_last >= 1, "1 or more"),
             ("resume", self.resume in ("restart", "auto", "none") or checkpoint.is_complete(self.resume),
-             "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that path)"),
+             "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that "
+             "path)"),
             ("run_dir", not os.path.isfile(self.run_dir), "a directory (this is a file)"),
             ("save_hf_every", self.save_hf_every >= 0, "0 (off) or a number of steps"),
             ("max_skipped_steps", self.max_skipped_steps >= 0, "0 or more"),
             ("timeout_s", 0 < self.timeout_s < math.inf, "a positive number of seconds")])
         if self.track and importlib.util.find_spec("wandb") is None:
-            raise UserError("--track logs to wandb, which is not installed: pip install wandb (or drop --track)")
+            raise UserError("--track logs to wandb, which is not installed: pip install wandb (or drop "
+                            "--track)")
 
 
 def parse(flags_class, check_args):
@@ -122,8 +124,8 @@ def parse(flags_class, check_args):
 def load_prompts(data: DataArgs, tok) -> tuple[list[dict], int, list[dict]]:
     """(train rows, how many were over --max-prompt-tokens, held-out rows): every rank tokenises
     the same rows and later takes its own slice of each step."""
-    rows, skipped = tokenize_rows(load_rows(data.dataset, "train", data.prompt_column, data.answer_column), tok,
-                                  data.max_prompt_tokens)
+    train_rows = load_rows(data.dataset, "train", data.prompt_column, data.answer_column)
+    rows, skipped = tokenize_rows(train_rows, tok, data.max_prompt_tokens)
     held_out = eval_source(data.dataset, data.eval_dataset)
     eval_rows = []
     if held_out and data.eval_every:
@@ -154,7 +156,8 @@ class Evaluator:
     def __init__(self, rows: list[dict], every: int, steps: int, params: SamplingParams, seed: int, plan):
         from roles.reward import Reward
 
-        self.rows, self.every, self.steps, self.params, self.seed, self.plan = rows, every, steps, params, seed, plan
+        self.rows, self.every, self.steps, self.params = rows, every, steps, params
+        self.seed, self.plan = seed, plan
         self.accuracy = Reward(["accuracy"])
 
     def __call__(self, step: int, engine, timer) -> dict:
@@ -184,7 +187,8 @@ def reduce_step(step: int, got, mask, timer, engine, plan, sums: dict, maxes: di
     parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
         **sums, **parts, **placement.phase_metrics(plan, engine, timer.seconds, step_s, got.tally),
-        "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(), "len": out.lengths.sum(),
+        "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(),
+        "len": out.lengths.sum(),
         "truncated": out.finish_reasons.count("length"), "staleness": staleness, "completions": len(rewards),
         "completion_tokens": mask.sum()})
     s = timer.seconds
@@ -212,7 +216,8 @@ def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
         "train/logprob_gap_mean": total["gap_sum"] / max(1.0, total["trained_tokens"]),
         "train/logprob_gap_max": peak["gap_max"],
         "train/rows_trained": total["rows"] / N,  # the rest had advantage 0 (and no KL term): not run
-        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"], "perf/reward_model_s": peak["rm_s"],
+        "perf/generate_s": peak["gen_s"], "perf/reference_s": peak["ref_s"],
+        "perf/reward_model_s": peak["rm_s"],
         "perf/train_s": peak["train_s"], "perf/sync_s": peak["sync_s"], "perf/sync_bytes": peak["sync_bytes"],
         "perf/step_s": peak["step_s"], "perf/tokens_per_s": total["len"] / peak["step_s"],
         "perf/peak_mem_gib": peak["mem_gib"], "perf/peak_mem_added_gib": peak["mem_added_gib"],
@@ -254,8 +259,8 @@ class Run:
         self.unscored_steps = 0  # every reward failed
         self.log = None
         if plan.rank == 0:
-            self.log = Logger(self.cfg.run_dir, asdict(args), args.steps, self.cfg.track, self.cfg.wandb_project,
-                              self.start)
+            cfg = self.cfg
+            self.log = Logger(cfg.run_dir, asdict(args), args.steps, cfg.track, cfg.wandb_project, self.start)
 
     def end_of_step(self, step: int, metrics: dict | None, train, reward, saved=({}, {})) -> bool:
         """After step `step` (0-based): stop together (skipped steps and SIGTERM are agreed over
@@ -268,16 +273,18 @@ class Run:
         self.skipped_steps += int(halt["skipped"])
         self.unscored_steps += int(halt["unscored"])
         if rank == 0:
-            metrics.update({"reward/unscored_steps": self.unscored_steps, "train/skipped_steps": self.skipped_steps})
+            metrics["reward/unscored_steps"] = self.unscored_steps
+            metrics["train/skipped_steps"] = self.skipped_steps
             self.log.log(step, metrics)
         if self.skipped_steps > cfg.max_skipped_steps:
-            raise UserError(f"stopping: {self.skipped_steps} steps had NaN/inf gradients (--max-skipped-steps "
-                            f"{cfg.max_skipped_steps}); lower --lr or check the rewards and the data. "
-                            f"{checkpoint.last_complete(cfg.run_dir)}")
+            raise UserError(f"stopping: {self.skipped_steps} steps had NaN/inf gradients "
+                            f"(--max-skipped-steps {cfg.max_skipped_steps}); lower --lr or check the rewards "
+                            f"and the data. {checkpoint.last_complete(cfg.run_dir)}")
         if self.unscored_steps > cfg.max_skipped_steps:
-            raise UserError(f"stopping: in {self.unscored_steps} steps every reward failed (--max-skipped-steps "
-                            f"{cfg.max_skipped_steps}); check --rewards {' '.join(reward.names)}: "
-                            f"{reward.last_failure()}. {checkpoint.last_complete(cfg.run_dir)}")
+            raise UserError(f"stopping: in {self.unscored_steps} steps every reward failed "
+                            f"(--max-skipped-steps {cfg.max_skipped_steps}); check --rewards "
+                            f"{' '.join(reward.names)}: {reward.last_failure()}. "
+                            f"{checkpoint.last_complete(cfg.run_dir)}")
         if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0:
             path = os.path.join(cfg.run_dir, "hf", f"step_{step + 1}")
             checkpoint.export_hf(self.actor, path, rank, self.args.data.model)

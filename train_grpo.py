@@ -121,7 +121,7 @@ class Args:
     """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
     the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed, else native (see docs/engines.md for vLLM on CPU)"""
+    """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
     layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
     balance: Flat[RebalanceArgs] = field(default_factory=RebalanceArgs)
     run: Flat[RunArgs] = field(default_factory=RunArgs)
@@ -237,7 +237,8 @@ def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, corre
     """Reduce this step's numbers over the trainers (run.reduce_step: one sum, one max). Returns
     (what --rebalance reads: each role's busy seconds per rank, the same on every trainer; rank 0's
     metrics, else None)."""
-    groups = got.rewards.view(-1, args.num_generations)  # [prompts, n]
+    n = args.num_generations
+    groups = got.rewards.view(-1, n)  # [prompts, n]
     s = timer.seconds
     total, peak = reduce_step(step, got, batch["loss_mask"], timer, engine, plan, sums={
         **train[0], **correction.sums, "all_same": (groups.max(-1).values == groups.min(-1).values).sum(),
@@ -250,7 +251,7 @@ def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, corre
         return entry, None
     T = max(1.0, total["completion_tokens"])
     metrics.update({**got.metrics, **step_metrics(total, peak, got, actor, plan),
-                    "rollout/groups_all_same": total["all_same"] / (total["completions"] / args.num_generations),
+                    "rollout/groups_all_same": total["all_same"] / (total["completions"] / n),
                     "train/kl": total.get("kl", 0.0) / T, "perf/old_logp_s": peak["old_logp_s"]})
     if args.judge.judge_model:
         metrics.update(judge_role.metrics(total, peak))
@@ -286,17 +287,19 @@ if __name__ == "__main__":
                   decay_steps=args.steps if args.lr_schedule == "linear" else 0, compile=args.compile)
     ref = None
     if args.kl_coef > 0:
-        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
+        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature,
+                        args.micro_batch_size)
     rm = None
     if args.reward.reward_model:
         rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
-    judge = judge_role.for_run(args, plan, rows, device, param_dtype, max_len)  # partial: the judge ranks only
-    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), int(args.layout.sync_bucket_mb * 2**20))
+    judge = judge_role.for_run(args, plan, rows, device, param_dtype, max_len)  # partial: judge ranks only
+    bucket_bytes = int(args.layout.sync_bucket_mb * 2**20)
+    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
     # the components, chosen once: each does nothing when its flags are off
     run = Run(args, plan, actor)
     scorer = Scorer(args.reward, rm, judge, tok.pad_id, device, args.max_new_tokens, args.overlong)
-    rollout = rollouts.make(engine, scorer, rows, args, plan, judge, run.resumed)
+    rollout = rollouts.choose(engine, scorer, rows, args, plan, judge, run.resumed)
     evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
         1, args.temperature, args.top_p, args.top_k, args.max_new_tokens), args.run.seed, plan)
     correction = Correction(args.correction, actor)
@@ -330,8 +333,8 @@ if __name__ == "__main__":
         with timer("train"):
             train = update(actor, batch, args, plan)
 
-        entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine, correction, args,
-                                  plan)
+        entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine, correction,
+                                  args, plan)
         if run.end_of_step(step, metrics, train, scorer, rollout.saved()):
             break
         if rebalancer.after_step(step, entry, rollout.saved()):

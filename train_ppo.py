@@ -112,7 +112,7 @@ class Args:
     """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
     the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
     engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed, else native (see docs/engines.md for vLLM on CPU)"""
+    """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
     layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
     run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/ppo"))
 
@@ -146,10 +146,11 @@ def check_args(args: Args, world: int):
         ("minibatches", args.minibatches >= 1, "1 or more"),
         ("micro_batch_size", args.micro_batch_size >= 1, "1 or more")])
     check_rules(args.reward, [("rewards", "judge" not in args.reward.rewards, "terms without `judge`: the "
-                "generative judge (--judge-model) is train_grpo.py's; train_ppo.py takes rules, functions and a "
-                "Bradley-Terry `rm`")])
+                "generative judge (--judge-model) is train_grpo.py's; train_ppo.py takes rules, functions "
+                "and a Bradley-Terry `rm`")])
     check_rules(args.layout, [("placement", args.layout.placement != "partial", "colocate or disaggregate: "
-                "partial placement splits the rollout between a sampler and a judge, which is train_grpo.py's")])
+                "partial placement splits the rollout between a sampler and a judge, which is "
+                "train_grpo.py's")])
     args.run.check()
     layout = args.layout.check(world, args.prompts_per_step)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
@@ -238,8 +239,9 @@ def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, 
     error = (batch["returns"] - batch["values"]) * mask  # [N, T] what the critic missed at rollout
     s = timer.seconds
     total, peak = reduce_step(step, got, mask, timer, engine, plan, sums={
-        **train[0], "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(), "returns": batch["returns"].sum(),
-        "returns_sq": batch["returns"].square().sum(), "error": error.sum(), "error_sq": error.square().sum()},
+        **train[0], "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(),
+        "returns": batch["returns"].sum(), "returns_sq": batch["returns"].square().sum(),
+        "error": error.sum(), "error_sq": error.square().sum()},
         maxes={**train[1], **sync, "values_s": s["values"], "critic_s": s["critic_train"]})
     if plan.rank != 0:
         return None
@@ -289,11 +291,13 @@ if __name__ == "__main__":
                     compile=args.compile)
     ref = None
     if args.kl_coef > 0:
-        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature, args.micro_batch_size)
+        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature,
+                        args.micro_batch_size)
     rm = None
     if args.reward.reward_model:
         rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
-    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), int(args.layout.sync_bucket_mb * 2**20))
+    bucket_bytes = int(args.layout.sync_bucket_mb * 2**20)
+    engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
     # the components, chosen once
     run = Run(args, plan, actor, critic)
@@ -306,8 +310,8 @@ if __name__ == "__main__":
     if rank == 0:
         print(f"{world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; PPO; model "
               f"{args.data.model} ({actor.config.num_params() / 1e6:.2f}M params), critic from {critic_dir}; "
-              f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval",
-              flush=True)
+              f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} "
+              f"eval", flush=True)
 
     n = args.num_generations
     for step in range(run.start, args.steps):

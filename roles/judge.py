@@ -262,8 +262,9 @@ def for_run(args, plan, rows, device, dtype, max_len: int):
     if not cfg.judge_model or (plan.mode == "partial" and plan.sampler):
         return None
     judge_len = max_len + 512 + cfg.judge_max_new_tokens  # the template's own words: under 512 tokens
-    judge = make_judge(cfg.judge_model, args.engine, device, dtype, judge_len, args.run.seed, cfg.judge_template,
-                       cfg.judge_samples, cfg.judge_temperature, cfg.judge_max_new_tokens, args.reward.reward_timeout_s)
+    judge = make_judge(cfg.judge_model, args.engine, device, dtype, judge_len, args.run.seed,
+                       cfg.judge_template, cfg.judge_samples, cfg.judge_temperature, cfg.judge_max_new_tokens,
+                       args.reward.reward_timeout_s)
     check_template(judge.template, [*dataset_columns(rows[:1], 1), "finish_reason"])
     return judge
 

@@ -184,8 +184,8 @@ class Scorer:
         rm_scores = None
         if self.rm:
             with timer("reward_model"):
-                batch = make_batch(per_sample([r["ids"] for r in rows], n), out.tokens, out.lengths, self.pad_id,
-                                   self.device)
+                prompt_ids = per_sample([r["ids"] for r in rows], n)
+                batch = make_batch(prompt_ids, out.tokens, out.lengths, self.pad_id, self.device)
                 rm_scores = self.rm.score(batch)  # [N]
         with timer("reward"):
             columns = dataset_columns(rows, n)  # answer and the rest, one value per completion

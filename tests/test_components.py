@@ -22,8 +22,8 @@ def plan(mode="colocate"):
 
 
 def chosen(args, mode="colocate"):
-    """The class names of the rollout `rollouts.make` builds, outermost first."""
-    rollout, names = rollouts.make(None, None, [], args, plan(mode), None, {}), []
+    """The class names of the rollout `rollouts.choose` builds, outermost first."""
+    rollout, names = rollouts.choose(None, None, [], args, plan(mode), None, {}), []
     while rollout is not None:
         names.append(type(rollout).__name__)
         rollout = getattr(rollout, "inner", None)
@@ -37,7 +37,7 @@ def test_the_rollout_is_the_placement_s_own_wrapped_by_the_flags():
     assert chosen(parse("--placement", "partial"), "partial") == ["Streamed"]
     assert chosen(parse("--dynamic-sampling")) == ["DynamicSampling", "OnPolicy"]
     assert chosen(parse("--advantage", "remax")) == ["ReMax", "OnPolicy"]
-    assert rollouts.make(None, None, [], parse(), plan(), None, {}).saved() == ({}, {})  # no state to carry
+    assert rollouts.choose(None, None, [], parse(), plan(), None, {}).saved() == ({}, {})  # no state to carry
 
 
 def test_flags_keep_their_names_and_land_in_their_component():

@@ -294,7 +294,8 @@ def sampling_ema(ema: float, generated: int, informative: int, decay: float, max
 POLICY_LOSSES = {  # (logp, old_logp, adv, mask [n, T] each, args) -> (loss, clipped) [n, T]
     "dual_clip": lambda logp, old, adv, mask, a: dual_clip_surrogate(logp, old, adv, a.clip_low, a.clip_high,
                                                                      a.dual_clip_c),
-    "gspo": lambda logp, old, adv, mask, a: gspo_surrogate(logp, old, adv, mask, a.gspo_clip_low, a.gspo_clip_high),
+    "gspo": lambda logp, old, adv, mask, a: gspo_surrogate(logp, old, adv, mask, a.gspo_clip_low,
+                                                           a.gspo_clip_high),
     "cispo": lambda logp, old, adv, mask, a: cispo_loss(logp, old, adv, a.clip_low, a.clip_high),
 }
 
@@ -306,7 +307,8 @@ def _per_completion(adv, mask):
 
 def _rloo(got, batch, args, reduce_sum):
     n = args.num_generations
-    return _per_completion(rloo_advantages(got.rewards.view(-1, n), got.scored.view(-1, n)), batch["loss_mask"])
+    return _per_completion(rloo_advantages(got.rewards.view(-1, n), got.scored.view(-1, n)),
+                           batch["loss_mask"])
 
 
 def _remax(got, batch, args, reduce_sum):
@@ -318,7 +320,8 @@ def _reinforce_pp(got, batch, args, reduce_sum):
     """REINFORCE++ (Hu et al. 2025): the KL to the reference in the per-token reward, returns whitened
     over the whole batch (`reduce_sum` all-reduces the moments over the trainers); _baseline: the
     group's mean over its scored samples subtracted first."""
-    n, mask, rewards, scored = args.num_generations, batch["loss_mask"], got.rewards, got.scored  # mask [N, T]
+    # mask [N, T]
+    n, mask, rewards, scored = args.num_generations, batch["loss_mask"], got.rewards, got.scored
     baseline = None
     if args.advantage == "reinforce++_baseline":
         kept = torch.where(scored, rewards, 0.0).view(-1, n)  # [G, n]

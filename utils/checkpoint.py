@@ -28,7 +28,8 @@ from utils.errors import UserError
 
 PREFIX = "step_"
 SAFE_GLOBALS = {  # everything DCP's .metadata pickle refers to, and nothing else
-    ("torch.distributed.checkpoint.metadata", None), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", None),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
     ("collections", "OrderedDict"),
 }
@@ -39,8 +40,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(__import__("torch"), name, None), torch.dtype)
         if dtype or (module, name) in SAFE_GLOBALS or (module, None) in SAFE_GLOBALS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP index never "
-                                     "holds: refusing to load it (was the checkpoint tampered with?)")
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP index "
+                                     "never holds: refusing to load it (was the checkpoint tampered with?)")
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -67,7 +68,8 @@ def find(run_dir: str) -> tuple[str | None, list[str]]:
     complete, partial = [], []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name.startswith(PREFIX) and not name.endswith(".tmp") and os.path.isfile(os.path.join(path, "meta.json")):
+        if (name.startswith(PREFIX) and not name.endswith(".tmp")
+                and os.path.isfile(os.path.join(path, "meta.json"))):
             complete.append(path)
         elif name.startswith(PREFIX):
             partial.append(path)
@@ -118,7 +120,8 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
     except (OSError, CheckpointException) as e:  # a full disk, a quota: lose this save, not the run
         error = str(e).strip().splitlines()[-1][:300]
     failed = torch.tensor([float(bool(error))])
-    dist.all_reduce(failed, group=actor.group)  # every rank must agree, or the next collective would split them
+    # every rank must agree, or the next collective would split them
+    dist.all_reduce(failed, group=actor.group)
     if failed.item():
         dist.barrier(group=actor.group)
         if rank == 0:

@@ -28,7 +28,8 @@ def read_json(file: str):
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise UserError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+            raise UserError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, "
+                            f"column {e.colno}") from None
 
 
 class Tokenizer:
@@ -126,7 +127,8 @@ def arith_problem(rng: random.Random, digits: int = 2) -> dict:
     return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
-def arith_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 256, digits: int = 2) -> list[dict]:
+def arith_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 256,
+               digits: int = 2) -> list[dict]:
     """Deterministic in `seed`; the eval split holds problems that never appear in train."""
     rng = random.Random(f"arith-eval-{seed}")
     evals = []
@@ -210,8 +212,8 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
     for i, r in enumerate(rows):
         p = r.get(prompt_column)
         if not is_prompt(p):
-            raise UserError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty string "
-                            f"or a list of {{'role', 'content'}} messages, got {str(p)[:80]!r}")
+            raise UserError(f"dataset {source!r} row {i}: column {prompt_column!r} must be a non-empty "
+                            f"string or a list of {{'role', 'content'}} messages, got {str(p)[:80]!r}")
         if answer_column is not None and not isinstance(r[answer_column], (str, int, float)):
             raise UserError(f"dataset {source!r} row {i}: column {answer_column!r} must be a string or a "
                             f"number, got {str(r[answer_column])[:80]!r}")

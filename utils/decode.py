@@ -48,7 +48,8 @@ def uniforms(row_keys, t):
 
 def sample_uniforms(seeds: list[int], n: int, T: int, device):
     """The uniforms of n samples per prompt seed, prompt-major, for decode positions 0..T-1 -> [N, T]."""
-    keys = torch.tensor([s * 7919 + j for s in seeds for j in range(n)], dtype=torch.long, device=device)  # [N]
+    keys = torch.tensor([s * 7919 + j for s in seeds for j in range(n)], dtype=torch.long,
+                        device=device)  # [N]
     return uniforms(_mix32(keys & M32)[:, None], torch.arange(T, device=device)[None])  # [N, T]
 
 
@@ -120,11 +121,13 @@ class FusedDecoder:
 
     def __init__(self, model):
         self.cfg, self.inv_freq = model.config, model.inv_freq
-        self.embed, self.norm, self.lm_head = model.model.embed_tokens.weight, model.model.norm, model.lm_head.weight
+        self.embed, self.norm, self.lm_head = (model.model.embed_tokens.weight, model.model.norm,
+                                               model.lm_head.weight)
         self.layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            qkv_b = (_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None
+                     else None)
             qk_norm = (a.q_norm, a.k_norm) if a.qk_norm else None  # Qwen3: RMSNorm of each head's q and k
             self.layers.append((
                 layer.input_layernorm, _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
@@ -146,7 +149,8 @@ class FusedDecoder:
                 qk = torch.cat((qk_norm[0](qk[:, :, :H]), qk_norm[1](qk[:, :, H:])), 2)  # [B, S, H+KV, D]
             qk = qk * cos + qk.roll(D // 2, -1) * sin  # RoPE on q and k
             q = qk[:, :, :H].transpose(1, 2)  # [B, H, S, D]
-            k, v = cache.update(i, qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV:].transpose(1, 2))  # [B, KV, L, D]
+            k, v = cache.update(i, qk[:, :, H:].transpose(1, 2),
+                                qkv[:, :, H + KV:].transpose(1, 2))  # [B, KV, L, D]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=KV != H)  # [B, H, S, D]
             h = h + F.linear(o.transpose(1, 2).reshape(B, S, H * D), wo, bo)
             gate, up = F.linear(ln2(h), wgu).split(I, -1)  # [B, S, I] each
@@ -177,7 +181,8 @@ class FusedDecoder:
         def packed(w, norm=None):
             return torch.ops.mkldnn._reorder_linear_weight(w if norm is None else w * norm.weight, rows)
 
-        self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None, packed(wgu, ln2), packed(wd), qkn)
+        self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None, packed(wgu, ln2),
+                             packed(wd), qkn)
                             for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qkn in self.layers]
         self.step_head = (None, packed(self.lm_head, self.norm))
 
@@ -203,8 +208,8 @@ class FusedDecoder:
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE
             k, v = cache.update(i, qk[:, H:, None], qkv[:, H + KV:, None])  # [B, KV, L, D]
             if h.dtype == torch.float32:  # two batched matmuls over [B*KV]: at one query, fewer ops than SDPA
-                s = torch.baddbmm(bias, qk[:, :H].reshape(B * KV, G, D), k.reshape(B * KV, L, D).transpose(1, 2),
-                                  alpha=D ** -0.5)  # [B*KV, G, L]
+                s = torch.baddbmm(bias, qk[:, :H].reshape(B * KV, G, D),
+                                  k.reshape(B * KV, L, D).transpose(1, 2), alpha=D ** -0.5)  # [B*KV, G, L]
                 o = torch.bmm(s.softmax(-1), v.reshape(B * KV, L, D)).view(B, H * D)  # [B, H*D]
             else:  # bf16 (GPU): SDPA keeps the scores in fp32, as the trainer's attention does
                 o = F.scaled_dot_product_attention(qk[:, :H, None], k, v, attn_mask=mask,

@@ -85,7 +85,7 @@ class NoEngine(Engine):
             pass
 
     def generate(self, prompts, params, seeds):
-        raise RuntimeError("a judge rank generates through its sampler (roles/judge.py judge_stream)")
+        raise RuntimeError("a judge rank generates through its sampler (rollouts.py judge_stream)")
 
     def release(self):
         pass

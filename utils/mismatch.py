@@ -57,7 +57,8 @@ class Correction:
         if cfg.mismatch == "tis":
             touched = r > cfg.mismatch_high  # [N, T] truncated
         else:
-            touched = (r < cfg.mismatch_low) | (r > cfg.mismatch_high)  # [N, T] masked (mis) or zeroed (icepop)
+            # [N, T] masked (mis) or zeroed (icepop)
+            touched = (r < cfg.mismatch_low) | (r > cfg.mismatch_high)
         touched = touched & (mask > 0)
         kl = algos.kl_estimate(batch["engine_logp"], batch["old_logp"], "k3") * mask  # KL(engine || trainer)
         self.sums = {"mismatch_kl": kl.sum(), "mismatch_tokens": touched.sum(),

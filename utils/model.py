@@ -29,7 +29,8 @@ SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaFor
              "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
              "LlamaForSequenceClassification": "llama"}
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
 
 
 @dataclass
@@ -212,7 +213,8 @@ def rotate_half(x):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                  cfg.head_dim)
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
@@ -496,8 +498,8 @@ def load_state(model: Transformer, weights, strict: bool = True, may_lack: tuple
                 continue
             p = params[name]
             if tuple(tensor.shape) != tuple(p.shape):
-                raise UserError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(p.shape)}"
-                                " (is this checkpoint from a different model config?)")
+                raise UserError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                f"model {tuple(p.shape)} (is this checkpoint from a different model config?)")
             if hasattr(p, "device_mesh"):  # DTensor under FSDP2: copy our shard only
                 from torch.distributed.tensor import distribute_tensor
                 # src_data_rank=None: every rank read the same file, so each slices locally (no traffic)

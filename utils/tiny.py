@@ -25,7 +25,8 @@ def make_tokenizer(path: str, vocab_size: int = 512, chat_template: str | None =
     return train_tokenizer(texts, path, vocab_size, chat_template)
 
 
-def random_checkpoint(path: str, seed: int = 0, architecture: str = "Qwen2ForCausalLM", **overrides) -> ModelConfig:
+def random_checkpoint(path: str, seed: int = 0, architecture: str = "Qwen2ForCausalLM",
+                      **overrides) -> ModelConfig:
     """A random model in HF format with the built-in task's tokenizer."""
     eos = make_tokenizer(path)
     cfg = ModelConfig(**{**TINY, "architecture": architecture, "eos_token_id": eos,
@@ -78,7 +79,8 @@ def warm_start(path: str, steps: int, batch: int = 64, lr: float = 1e-3, seed: i
     for step in range(steps):
         x, m = sft_batch(rng.sample(rows, batch), tok, eos)
         logits = model(x[:, :-1])  # [B, L-1, V]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # [B, L-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:],
+                                                reduction="none")  # [B, L-1]
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
         opt.zero_grad()
         loss.backward()
