@@ -172,8 +172,10 @@ class Rebalancer:
     """--rebalance in the step loop: `after_step` keeps the window of reduced busy seconds, asks
     `decide` and makes the move. Off, it does nothing. `exit_code` is MOVE_EXIT after a move."""
 
-    def __init__(self, args, plan, actor, moved: dict, start: int, launched: float, log):
+    def __init__(self, args, plan, actor, moved: dict, start: int, launched: float, log, saved=None):
+        """saved(): what the move's checkpoint carries of the other components (the rollout's state)."""
         self.args, self.cfg, self.plan, self.actor, self.log = args, args.balance, plan, actor, log
+        self.saved = saved or (lambda: ({}, {}))
         self.window, self.since_move, self.warned, self.exit_code = [], 0, False, 0
         self.cost_s = 0.0
         if self.cfg.rebalance:
@@ -197,9 +199,9 @@ class Rebalancer:
                                          "placement/rollout_ranks": self.plan.layout.rollout})
         return cost_s
 
-    def after_step(self, step: int, entry: dict, saved=({}, {})) -> bool:
+    def after_step(self, step: int, entry: dict) -> bool:
         """After step `step` (0-based), from its reduced busy seconds `entry`: True when the ranks
-        move (every rank then leaves the loop; `saved` goes into the move's checkpoint)."""
+        move (every rank then leaves the loop)."""
         if not self.cfg.rebalance:
             return False
         self.window.append(entry)
@@ -213,7 +215,7 @@ class Rebalancer:
                       f"left (--max-restarts used up)", flush=True)
             self.warned = True
             return False
-        if move.layout is None or not self._move(step, move, saved):
+        if move.layout is None or not self._move(step, move, self.saved()):
             return False
         if self.plan.rank == 0:
             k = move.layout.rollout

@@ -247,8 +247,10 @@ class Run:
     """This rank's run around the step loop: the resume point, the stop signals, rank 0's
     logger, and the counters of steps the guards skipped."""
 
-    def __init__(self, args, plan, actor, critic=None):
+    def __init__(self, args, plan, actor, reward, critic=None):
+        """reward: the scorer (its last failure is the reason when every reward keeps failing)."""
         self.args, self.cfg, self.plan, self.actor, self.critic = args, args.run, plan, actor, critic
+        self.reward = reward
         self.resumed = checkpoint.resume(self.cfg.run_dir, self.cfg.resume, actor, plan.rank, critic)
         self.start = self.resumed["step"]  # steps already done
         self.sigterm = False  # torchrun (or a scheduler) asks us to stop: save, then exit
@@ -262,11 +264,12 @@ class Run:
             cfg = self.cfg
             self.log = Logger(cfg.run_dir, asdict(args), args.steps, cfg.track, cfg.wandb_project, self.start)
 
-    def end_of_step(self, step: int, metrics: dict | None, train, reward, saved=({}, {})) -> bool:
+    def end_of_step(self, step: int, metrics: dict | None, train, saved=({}, {})) -> bool:
         """After step `step` (0-based): stop together (skipped steps and SIGTERM are agreed over
         the trainers), log rank 0's `metrics`, stop on too many NaN or unscored steps, export and
-        save when due. `reward`: the scorer (its last failure is the error's reason); `saved`:
-        (meta.json extras, this rank's state) of the components that carry state. True: stop."""
+        save when due. `saved`: (meta.json extras, this rank's state) of the components that
+        carry state. True: stop."""
+        reward = self.reward
         cfg, rank = self.cfg, self.plan.rank
         halt = dist.reduce({"skipped": train[1]["skipped"], "unscored": train[1]["unscored"],
                             "sigterm": self.sigterm}, op=MAX, group=self.plan.trainer_group)

@@ -297,13 +297,13 @@ if __name__ == "__main__":
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
     # the components, chosen once: each does nothing when its flags are off
-    run = Run(args, plan, actor)
     scorer = Scorer(args.reward, rm, judge, tok.pad_id, device, args.max_new_tokens, args.overlong)
+    run = Run(args, plan, actor, scorer)
     rollout = rollouts.choose(engine, scorer, rows, args, plan, judge, run.resumed)
     evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
         1, args.temperature, args.top_p, args.top_k, args.max_new_tokens), args.run.seed, plan)
     correction = Correction(args.correction, actor)
-    rebalancer = Rebalancer(args, plan, actor, moved, run.start, launched, run.log)
+    rebalancer = Rebalancer(args, plan, actor, moved, run.start, launched, run.log, rollout.saved)
     if rank == 0:
         print(f"{world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; model "
               f"{args.data.model} ({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts "
@@ -335,8 +335,6 @@ if __name__ == "__main__":
 
         entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine, correction,
                                   args, plan)
-        if run.end_of_step(step, metrics, train, scorer, rollout.saved()):
-            break
-        if rebalancer.after_step(step, entry, rollout.saved()):
-            break
+        if run.end_of_step(step, metrics, train, rollout.saved()) or rebalancer.after_step(step, entry):
+            break  # a stop (SIGTERM), or a move to another layout (torchrun restarts every rank in it)
     run.finish(engine, evaluate, rebalancer.exit_code)

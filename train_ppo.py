@@ -300,9 +300,9 @@ if __name__ == "__main__":
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
     # the components, chosen once
-    run = Run(args, plan, actor, critic)
-    kl_coef = run.resumed.get("kl_coef", args.kl_coef)  # the adaptive controller's state
     scorer = Scorer(args.reward, rm, None, tok.pad_id, device, args.max_new_tokens)
+    run = Run(args, plan, actor, scorer, critic)
+    kl_coef = run.resumed.get("kl_coef", args.kl_coef)  # the adaptive controller's state
     kind = rollouts.Ahead if args.layout.max_staleness else rollouts.OnPolicy  # generate ahead, or on-policy
     rollout = kind(engine, scorer, rows, args, plan)
     evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
@@ -339,6 +339,6 @@ if __name__ == "__main__":
 
         metrics = log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, plan)
         kl_coef = adapt_kl(kl_coef, kl, got.failed, args, plan)
-        if run.end_of_step(step, metrics, train, scorer, ({"kl_coef": kl_coef}, {})):
+        if run.end_of_step(step, metrics, train, ({"kl_coef": kl_coef}, {})):
             break
     run.finish(engine, evaluate)
