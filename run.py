@@ -58,15 +58,21 @@ class DataArgs:
             ("max_prompt_tokens", self.max_prompt_tokens >= 1, "1 or more")])
 
     def check_model(self):
-        """The policy's checkpoint and tokenizer read; a hub id becomes its downloaded snapshot
-        (computed at runtime)."""
-        self.model = local_dir(self.model)
-        try:
-            read_config(self.model)
-            Tokenizer(self.model)
-            check_checkpoint(self.model)
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(f"--model: {e}") from None
+        self.model = checked_model(self.model)
+
+
+def checked_model(path: str, flag: str = "--model", tokenizer: bool = True) -> str:
+    """A checkpoint's config, weights (and tokenizer) read, or one error naming `flag`; a hub id
+    becomes its downloaded snapshot, which is returned (computed at runtime)."""
+    path = local_dir(path, flag)
+    try:
+        read_config(path)
+        if tokenizer:
+            Tokenizer(path)
+        check_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"{flag}: {e}") from None
+    return path
 
 
 @dataclass

@@ -34,14 +34,14 @@ from roles.critic import Critic
 from roles.reference import Reference
 from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
-from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
-                 step_metrics)
+from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
+                 rollout_rank, step_metrics)
 from utils import algos, dist, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, make_engine
 from utils.errors import UserError, check_rules
 from utils.logger import Timer
-from utils.model import check_checkpoint, local_dir, read_config
+from utils.model import read_config
 
 MAX = torch.distributed.ReduceOp.MAX
 
@@ -159,12 +159,7 @@ def check_args(args: Args, world: int):
                         f"trainer rank trains per step: use a divisor of {rows}")
     args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
     if args.critic_model:
-        args.critic_model = local_dir(args.critic_model, "--critic-model")
-        try:
-            read_config(args.critic_model)
-            check_checkpoint(args.critic_model)
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(f"--critic-model: {e}") from None
+        args.critic_model = checked_model(args.critic_model, "--critic-model", tokenizer=False)
     args.reward.check(args.data)
 
 

@@ -20,12 +20,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from roles.actor import lr_factor
-from run import parse
+from run import checked_model, parse
 from utils import dist
 from utils.algos import bradley_terry_loss
 from utils.data import BUILTIN, Tokenizer, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
 from utils.errors import UserError, check_rules
-from utils.model import check_checkpoint, local_dir, read_config, save_model, sequence_scores
+from utils.model import save_model, sequence_scores
 
 
 @dataclass
@@ -91,14 +91,7 @@ def check_args(args: Args, world: int):
         ("log_every", args.log_every >= 1, "1 or more"),
         ("out", not os.path.isfile(args.out), "a directory (this is a file)"),
         ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds")])
-    # hub ids (ORG/NAME) become their downloaded snapshot (computed at runtime)
-    args.model = local_dir(args.model)
-    try:
-        read_config(args.model)
-        Tokenizer(args.model)
-        check_checkpoint(args.model)
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"--model: {e}") from None
+    args.model = checked_model(args.model)  # a hub id (ORG/NAME) becomes its snapshot (computed at runtime)
 
 
 def split_held_out(pairs, args: Args):
