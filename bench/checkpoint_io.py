@@ -46,8 +46,10 @@ for name, path in (("arith-tiny (default)", "assets/arith-tiny"), ("random ~100M
         t = time.perf_counter()
         checkpoint.load(checkpoint.find(run)[0], actor, rank)
         loads.append(time.perf_counter() - t)
-    size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(checkpoint.find(run)[0]) for f in fs)
-    rows.append((name, actor.config.num_params() / 1e6, size / 2**20, statistics.median(saves), statistics.median(loads)))
+    size = sum(os.path.getsize(os.path.join(dp, f))
+               for dp, _, fs in os.walk(checkpoint.find(run)[0]) for f in fs)
+    rows.append((name, actor.config.num_params() / 1e6, size / 2**20, statistics.median(saves),
+                 statistics.median(loads)))
     del actor
 if rank == 0:
     print(f"\n{world} ranks, CPU, gloo; median of 3\n")

@@ -33,7 +33,10 @@ args = ap.parse_args()
 import transformers  # noqa: E402
 
 path = args.model or tempfile.mkdtemp()
-hf = qwen2_checkpoint(path) if args.model is None else transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+if args.model is None:
+    hf = qwen2_checkpoint(path)
+else:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 cfg = read_config(path)
 tok = Tokenizer(path)
 eng = NativeEngine(cfg, tok)
@@ -85,7 +88,8 @@ print(f"| {'engine':<22} | {'median s':>8} | {'tokens/s':>9} | {'GFLOP/s':>7} | 
 print(f"|{'-' * 24}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 7}|")
 for name, ts in times.items():
     m = statistics.median(ts)
-    print(f"| {name:<22} | {m:8.3f} | {B * T / m:9.0f} | {flops / m / 1e9:7.1f} | {flops / m / 1e9 / roof:5.1%} |")
+    print(f"| {name:<22} | {m:8.3f} | {B * T / m:9.0f} | {flops / m / 1e9:7.1f} "
+          f"| {flops / m / 1e9 / roof:5.1%} |")
 hf = statistics.median(times["transformers generate"])
 print(f"\nnative / transformers tokens/s: {hf / statistics.median(times['native engine']):.2f}x; "
       f"the decode matmuls alone would give {hf / statistics.median(times['decode matmuls alone']):.2f}x")

@@ -53,10 +53,10 @@ with tempfile.TemporaryDirectory() as tmp:
 
 print(f"\n{a.model}, default flags (64 prompts x 8), lr 1e-5; means over steps {a.skip + 1}..{a.steps}; "
       "2 ranks, colocate, gloo\n")
-print(f"| {'run':<17} | {'waves':>5} | {'groups made':>11} | {'informative trained':>19} | {'generate s':>10} "
-      f"| {'gen s / informative group':>25} | {'step s':>6} | {'reward':>6} |")
+print(f"| {'run':<17} | {'waves':>5} | {'groups made':>11} | {'informative trained':>19} "
+      f"| {'generate s':>10} | {'gen s / informative group':>25} | {'step s':>6} | {'reward':>6} |")
 print(f"|{'-' * 19}|{'-' * 7}|{'-' * 13}|{'-' * 21}|{'-' * 12}|{'-' * 27}|{'-' * 8}|{'-' * 8}|")
 for name, waves, made, useful, gen, per, step, reward in rows:
-    print(f"| {name:<17} | {waves:5.2f} | {made:11.1f} | {useful:19.1f} | {gen:10.3f} | {per:25.4f} | {step:6.3f} "
-          f"| {reward:6.3f} |")
+    print(f"| {name:<17} | {waves:5.2f} | {made:11.1f} | {useful:19.1f} | {gen:10.3f} | {per:25.4f} "
+          f"| {step:6.3f} | {reward:6.3f} |")
 print("\nreward: the mean over the trained batch (with the filter: informative groups and any padding)")

@@ -115,15 +115,17 @@ run = os.path.join(path, "run")
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "train_grpo.py",
        "--model", path, "--param-dtype", "bfloat16", "--engine", "native", "--steps", str(args.steps),
        "--prompts-per-step", "16", "--num-generations", "8", "--max-new-tokens", "128" if gpu else "16",
-       "--micro-batch-size", "16", "--eval-every", "0", "--save-every", "0", "--no-save-final", "--lr", "1e-6",
-       "--run-dir", run]
+       "--micro-batch-size", "16", "--eval-every", "0", "--save-every", "0", "--no-save-final",
+       "--lr", "1e-6", "--run-dir", run]
 p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
 if p.returncode:
     sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
-rows = [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if not r.get("final")][1:]  # 1st: warm-up
+rows = [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if not r.get("final")]
+rows = rows[1:]  # the first step is the warm-up
 train_s = sorted(r["perf/train_s"] for r in rows)[len(rows) // 2]
 gen_s = sorted(r["perf/generate_s"] for r in rows)[len(rows) // 2]
-seq_tokens = 16 * 8 * (10 + sorted(r["rollout/response_len"] for r in rows)[len(rows) // 2])  # ~10-token prompts
+response_len = sorted(r["rollout/response_len"] for r in rows)[len(rows) // 2]
+seq_tokens = 16 * 8 * (10 + response_len)  # ~10-token prompts
 train_flops = 3 * flops_per_token(cfg, 64) * seq_tokens  # forward + backward = 3 forwards
 peak = max(r["perf/peak_mem_gib"] for r in rows)
 roof = args.peak_tflops * 1e12

@@ -62,9 +62,10 @@ def trl():
 
 def ours(model_dir, data, reward, *flags):
     run_dir = os.path.join(args.workdir + "-ours", "run")
-    out, rss = run([sys.executable, "train_grpo.py", "--model", model_dir, "--dataset", data, "--eval-every", "0",
-                    "--steps", str(args.steps), "--prompts-per-step", str(P), "--num-generations", str(G),
-                    "--max-new-tokens", str(T), "--run-dir", run_dir, "--no-save-final", "--lr", "1e-5",
+    out, rss = run([sys.executable, "train_grpo.py", "--model", model_dir, "--dataset", data,
+                    "--eval-every", "0", "--steps", str(args.steps), "--prompts-per-step", str(P),
+                    "--num-generations", str(G), "--max-new-tokens", str(T), "--run-dir", run_dir,
+                    "--no-save-final", "--lr", "1e-5",
                     "--rewards", reward, *flags])
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][:args.steps]
     first[flags] = rows[0]["perf/step_s"]
@@ -107,7 +108,8 @@ roof = matmul_gflops()
 print(f"\n{P} prompts x {G} samples x {T} new tokens; {cfg.num_params() / 1e6:.2f}M params; "
       f"step FLOPs {(gen + train) / 1e9:.0f} G (generate {gen / 1e9:.0f} + train {train / 1e9:.0f}); "
       f"fp32 matmul roof {roof:.0f} GFLOP/s; our mean completion length {mean_len:.1f}\n")
-print(f"| {'trainer':<22} | {'s/step (median)':>15} | {'peak RSS MiB':>12} | {'MFU':>6} | {'rows trained':>12} |")
+print(f"| {'trainer':<22} | {'s/step (median)':>15} | {'peak RSS MiB':>12} | {'MFU':>6} "
+      f"| {'rows trained':>12} |")
 print(f"|{'-' * 24}|{'-' * 17}|{'-' * 14}|{'-' * 8}|{'-' * 14}|")
 for k, v in results.items():
     s = statistics.median(v)

@@ -29,15 +29,16 @@ ap.add_argument("--skip", type=int, default=2, help="first steps left out of the
 ap.add_argument("--judge-samples", type=int, default=4)
 ap.add_argument("--chunks", type=int, nargs="+", default=[2, 8], help="--judge-chunk values for partial")
 ap.add_argument("--prompts-per-step", type=int, default=64)
-ap.add_argument("--model", default="assets/arith-tiny", help="the policy (a random one writes long completions)")
+ap.add_argument("--model", default="assets/arith-tiny",
+                help="the policy (a random one writes long completions)")
 ap.add_argument("--max-new-tokens", type=int, default=8)
 ap.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc-per-node)")
 ap.add_argument("--sampler-ranks", type=int, default=1, help="partial: S (the other ranks judge)")
 a = ap.parse_args()
 S, G = a.sampler_ranks, a.nproc - a.sampler_ranks
 
-JUDGE = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5", "--judge-model", "assets/judge-tiny",
-         "--judge-samples", str(a.judge_samples)]
+JUDGE = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5",
+         "--judge-model", "assets/judge-tiny", "--judge-samples", str(a.judge_samples)]
 runs = [("full colocation", [])]
 for chunk in a.chunks:
     runs.append((f"partial S={S} G={G}, chunk {chunk}", ["--placement", "partial", "--sampler-ranks", str(S),
@@ -68,7 +69,7 @@ print(f"| {'placement':<28} | {'rollout+judge s':>15} | {'vs full':>7} | {'step 
       f"| {'sampler busy s':>14} | {'judge busy s':>12} | {'judge term':>10} |")
 print(f"|{'-' * 30}|{'-' * 17}|{'-' * 9}|{'-' * 8}|{'-' * 12}|{'-' * 16}|{'-' * 14}|{'-' * 12}|")
 for name, rollout, step, idle, sampler, judge, term in rows:
-    print(f"| {name:<28} | {rollout:15.3f} | {100 * (rollout / base - 1):+6.1f}% | {step:6.3f} | {idle:10.3f} "
-          f"| {sampler:14.3f} | {judge:12.3f} | {term:10.3f} |")
+    print(f"| {name:<28} | {rollout:15.3f} | {100 * (rollout / base - 1):+6.1f}% | {step:6.3f} "
+          f"| {idle:10.3f} | {sampler:14.3f} | {judge:12.3f} | {term:10.3f} |")
 print("\nsampler / judge busy: seconds per rank in that role (partial only); idle share: device time with "
       "nothing to do, over all ranks")

@@ -62,10 +62,9 @@ if plan.role == "rollout":
     results, bufs = {}, {}
     for mb in a.buckets_mb:
         buckets = dist.plan_buckets(specs, int(mb * 2**20))
-        recv = [timed(lambda: [None for _ in dist.receive_buckets(buckets, shapes, 0, sync_group, device, bufs)])
-                for _ in range(a.reps)]
-        load = [timed(lambda: engine.load_weights(dist.receive_buckets(buckets, shapes, 0, sync_group, device, bufs)))
-                for _ in range(a.reps)]
+        receive = lambda: dist.receive_buckets(buckets, shapes, 0, sync_group, device, bufs)  # noqa: E731
+        recv = [timed(lambda: [None for _ in receive()]) for _ in range(a.reps)]
+        load = [timed(lambda: engine.load_weights(receive())) for _ in range(a.reps)]
         results[mb] = (med(recv), med(load), len(buckets))
     raw = [timed(lambda: tdist.broadcast(flat, src=0, group=sync_group)) for _ in range(a.reps)]
     dist.wait_all(dist.isend_obj((results, med(raw)), 0))
@@ -100,20 +99,21 @@ else:
     engine.close()
     if rank == 0:
         gb = total / 1e9
-        print(f"\n{cfg.num_params() / 1e6:.1f}M params, {total / 2**20:.0f} MiB fp32; 2 trainers (FSDP2) + 1 rollout "
-              f"rank, CPU, gloo; median of {a.reps}")
+        print(f"\n{cfg.num_params() / 1e6:.1f}M params, {total / 2**20:.0f} MiB fp32; 2 trainers (FSDP2) "
+              f"+ 1 rollout rank, CPU, gloo; median of {a.reps}")
         print(f"gather from FSDP2 shards (one block at a time, FSDP unshard): {med(gather):.3f} s")
-        print(f"raw dist.broadcast of {total / 2**20:.0f} MiB in one call: {raw:.3f} s = {gb / raw:.2f} GB/s\n")
-        print(f"| {'bucket MiB':>10} | {'buckets':>7} | {'bcast s':>7} | {'bcast+load s':>12} | {'GB/s':>5} | "
-              f"{'vs raw':>6} | {'sync s (run)':>12} |")
+        print(f"raw dist.broadcast of {total / 2**20:.0f} MiB in one call: {raw:.3f} s "
+              f"= {gb / raw:.2f} GB/s\n")
+        print(f"| {'bucket MiB':>10} | {'buckets':>7} | {'bcast s':>7} | {'bcast+load s':>12} "
+              f"| {'GB/s':>5} | {'vs raw':>6} | {'sync s (run)':>12} |")
         print(f"|{'-' * 12}|{'-' * 9}|{'-' * 9}|{'-' * 14}|{'-' * 7}|{'-' * 8}|{'-' * 14}|")
         for mb in a.buckets_mb:
             recv, load, n = results[mb]
-            print(f"| {mb:>10g} | {n:>7} | {recv:7.3f} | {load:12.3f} | {gb / load:5.2f} | {raw / load:6.0%} | "
-                  f"{e2e[mb]:12.3f} |")
+            print(f"| {mb:>10g} | {n:>7} | {recv:7.3f} | {load:12.3f} | {gb / load:5.2f} "
+                  f"| {raw / load:6.0%} | {e2e[mb]:12.3f} |")
         print("\nbcast: broadcast of pre-gathered weights, received but not loaded; bcast+load: received and "
               "loaded into the native engine as each bucket lands; vs raw: the raw broadcast's rate over "
-              "bcast+load's; sync s (run): placement.sync as train_grpo.py runs it (gather, broadcast and load "
-              "pipelined)")
+              "bcast+load's; sync s (run): placement.sync as train_grpo.py runs it (gather, broadcast and "
+              "load pipelined)")
         shutil.rmtree(holder[0], ignore_errors=True)
 dist.exit_now(0)  # not dist.close(): see utils/dist.py exit_now (SIGABRT at interpreter exit)
