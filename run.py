@@ -4,7 +4,6 @@ step (the agreed stop, the NaN and unscored guards, HF exports, checkpoints, SIG
 finish (the final evaluation, the export, the summary). train_grpo.py and train_ppo.py use all
 of it, train_rm.py the set-up; the algorithm itself stays in each script.
 """
-import importlib.util
 import math
 import os
 import signal
@@ -113,9 +112,12 @@ class RunArgs:
             ("save_hf_every", self.save_hf_every >= 0, "0 (off) or a number of steps"),
             ("max_skipped_steps", self.max_skipped_steps >= 0, "0 or more"),
             ("timeout_s", 0 < self.timeout_s < math.inf, "a positive number of seconds")])
-        if self.track and importlib.util.find_spec("wandb") is None:
-            raise UserError("--track logs to wandb, which is not installed: pip install wandb (or drop "
-                            "--track)")
+        if self.track:  # on every rank, before the process group: one line, not a broken collective
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise UserError("--track logs to wandb, which is not installed: pip install wandb (or drop "
+                                "--track)") from None
 
 
 def parse(flags_class, check_args):
