@@ -51,6 +51,7 @@ def straight(tmp_path_factory):
 
 
 def same_run(a, b):
+    """Bit-equal: a resume on the same ranks makes the same reductions in the same order."""
     assert [r["step"] for r in metrics(b)] == [r["step"] for r in metrics(a)]  # every step once, none lost or doubled
     assert differences(metrics(a), metrics(b)) == []
     wa = load_file(os.path.join(a, "final", "model.safetensors"))

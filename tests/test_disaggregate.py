@@ -15,8 +15,8 @@ from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
 import placement
+from tests.helpers.runs import differences_within, weights_apart
 from utils.dist import KeptBuffers, plan_buckets
-from utils.logger import differences
 from utils.tiny import random_checkpoint
 
 
@@ -102,17 +102,23 @@ def test_on_policy_disaggregate_is_the_colocate_run(tmp_path):
     seed. Each step the same prompts go to the same trainer ranks with the same per-prompt
     seeds, and the rollout rank generates each trainer's batch separately (the batches a
     colocated engine sees), from weights broadcast exactly: so every non-timing metric
-    (rewards, lengths, losses, gradient norms, log-prob gaps, held-out accuracy) and the final
-    weights must be bit-identical."""
+    (rewards, lengths, losses, gradient norms, held-out accuracy) and the final weights are the
+    same, to rounding: utils/dist.py gives the 2 colocated ranks os.cpu_count() // 2 threads,
+    the 3 disaggregated ones // 3, and parallel sums (the gradient norm) split with the threads
+    (tests/helpers/runs.py)."""
     co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
     torchrun(2, "train_grpo.py", *TINY, "--run-dir", co)
     torchrun(3, "train_grpo.py", *TINY, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
-    assert len(a) == 4 and differences(a, b) == []
+    assert len(a) == 4 and differences_within(a, b) == []
     assert all(r["placement/staleness_max"] == 0 for r in b[:3])
     assert all(r["perf/sync_bytes"] > 0 for r in b[:3])
-    wa, wb = load_file(os.path.join(co, "final", "model.safetensors")), load_file(os.path.join(dis, "final", "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    wa = load_file(os.path.join(co, "final", "model.safetensors"))
+    wb = load_file(os.path.join(dis, "final", "model.safetensors"))
+    # last-bit noise in the gradients moves Adam's updates by about as much, relative: a run
+    # with GEMMs of another summation order (MKL_CBWR=COMPATIBLE) ended 2.7e-5 of the update away
+    apart = weights_apart(wa, wb, load_file("assets/arith-tiny/model.safetensors"))
+    assert apart <= 1e-3, apart
 
 
 def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):

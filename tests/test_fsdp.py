@@ -73,7 +73,12 @@ def test_zero_advantage_rows_are_skipped_with_the_same_gradient(model_dir, tmp_p
     g = load_file(out)
     names = [k.removeprefix("skip.") for k in g if k.startswith("skip.")]
     assert names and all(f"full.{k}" in g for k in names)
+    # Skipping rows changes which rows share a micro-batch, so each gradient is the same sum
+    # taken in other groupings: it differs by rounding, ~eps (1.2e-7) times the size of the
+    # terms summed, whatever the element's own value (which may cancel to ~0) or the tensor's
+    # largest one. The tensor's norm is that size: GEMMs of another order (MKL_CBWR=COMPATIBLE)
+    # measured 4e-7 of it; a row dropped or weighted wrongly moves it by a share of ~1/6.
     for k in names:
         a, b = g[f"skip.{k}"], g[f"full.{k}"]
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7 * b.abs().max().item()), (k, (a - b).abs().max())
+        assert (a - b).norm() <= 1e-5 * b.norm(), (k, ((a - b).norm() / b.norm()).item())
     assert any(g[f"full.{k}"].abs().max() > 0 for k in names)  # there was a gradient to compare

@@ -39,7 +39,7 @@ def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun(2, "train_grpo.py", *flags, "--run-dir", b)
-    assert differences(metrics(a), metrics(b)) == []
+    assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
 def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):

@@ -13,6 +13,7 @@ from test_checkpoint import same_run, start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import TINY, metrics
 
+from tests.helpers.runs import differences_within
 from utils.logger import differences
 from utils.tiny import random_reward_model
 
@@ -54,18 +55,19 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun(2, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--run-dir", b)
-    assert differences(metrics(a), metrics(b)) == []
+    assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
 def test_ppo_disaggregated_on_policy_is_the_colocate_run(tmp_path):
     """2 trainers + 1 rollout rank at --max-staleness 0 against colocate on 2 ranks: the same
-    prompts, seeds and exactly broadcast weights, so every non-timing metric is the same."""
+    prompts, seeds and exactly broadcast weights, so every non-timing metric is the same, to
+    rounding (3 ranks get other thread counts than 2: tests/helpers/runs.py)."""
     co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
     torchrun(2, "train_ppo.py", *PPO_TINY, "--run-dir", co)
     torchrun(3, "train_ppo.py", *PPO_TINY, "--placement", "disaggregate", "--rollout-ranks", "1",
              "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
-    assert len(a) == 4 and differences(a, b) == []
+    assert len(a) == 4 and differences_within(a, b) == []
     assert all(r["perf/sync_bytes"] > 0 for r in b[:3])
 
 
