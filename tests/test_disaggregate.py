@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_fsdp import ROOT, torchrun
-from test_train_grpo import TINY, metrics
+from test_train_grpo import SEEDED, TINY, metrics
 
 import placement
 from tests.helpers.runs import differences_within, weights_apart
@@ -97,18 +97,17 @@ def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):
 DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1"]
 
 
-def test_on_policy_disaggregate_is_the_colocate_run(tmp_path):
-    """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks, same
-    seed. Each step the same prompts go to the same trainer ranks with the same per-prompt
+def test_on_policy_disaggregate_is_the_colocate_run(grpo_run, tmp_path):
+    """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks
+    (conftest.grpo_run: a reference model, a reward that fails now and then), same seed. Each step the same prompts go to the same trainer ranks with the same per-prompt
     seeds, and the rollout rank generates each trainer's batch separately (the batches a
     colocated engine sees), from weights broadcast exactly: so every non-timing metric
     (rewards, lengths, losses, gradient norms, held-out accuracy) and the final weights are the
     same, to rounding: utils/dist.py gives the 2 colocated ranks os.cpu_count() // 2 threads,
     the 3 disaggregated ones // 3, and parallel sums (the gradient norm) split with the threads
     (tests/helpers/runs.py)."""
-    co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
-    torchrun(2, "train_grpo.py", *TINY, "--run-dir", co)
-    torchrun(3, "train_grpo.py", *TINY, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
+    co, dis = grpo_run[0], str(tmp_path / "dis")
+    torchrun(3, "train_grpo.py", *SEEDED, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
     assert len(a) == 4 and differences_within(a, b) == []
     assert all(r["placement/staleness_max"] == 0 for r in b[:3])

@@ -11,17 +11,18 @@ from utils.logger import differences, read_metrics
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
+# conftest.grpo_run's: a reference model, a reward that fails now and then
+SEEDED = TINY + ["--kl-coef", "0.05", "--rewards", "accuracy", "tests.helpers.rewards:flaky"]
 
 
 def metrics(run_dir):
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
-def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    flags = TINY + ["--kl-coef", "0.05", "--rewards", "accuracy", "tests.helpers.rewards:flaky"]
-    p = torchrun(2, "train_grpo.py", *flags, "--run-dir", a)
-    assert "step    3/3" in p.stdout
+def test_two_rank_run_trains_logs_every_step_and_is_seeded(grpo_run, tmp_path):
+    a, stdout = grpo_run  # SEEDED's flags
+    b = str(tmp_path / "b")
+    assert "step    3/3" in stdout
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
     for r in rows[:3]:
@@ -38,7 +39,7 @@ def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
-    torchrun(2, "train_grpo.py", *flags, "--run-dir", b)
+    torchrun(2, "train_grpo.py", *SEEDED, "--run-dir", b)
     assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
