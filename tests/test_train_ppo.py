@@ -23,6 +23,14 @@ ADAPTIVE = ["--kl-coef", "0.05", "--kl-target", "0.01", "--kl-horizon", "100"]
 
 
 @pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """(run dir, stdout) of a 2-rank colocated PPO run with the adaptive KL controller, launched
+    once for the tests that read it (what it logs, its rerun, its disaggregated twin)."""
+    path = str(tmp_path_factory.mktemp("ppo") / "run")
+    return path, torchrun(2, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--run-dir", path).stdout
+
+
+@pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
     """A random Bradley-Terry reward model on the shipped policy's decoder shape and tokenizer."""
     path = str(tmp_path_factory.mktemp("rm"))
@@ -30,10 +38,9 @@ def reward_model_dir(tmp_path_factory):
     return path
 
 
-def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    p = torchrun(2, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--run-dir", a)
-    assert "step    3/3" in p.stdout and "vloss" in p.stdout and "critic update" in p.stdout
+def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(ppo_run, tmp_path):
+    (a, stdout), b = ppo_run, str(tmp_path / "b")
+    assert "step    3/3" in stdout and "vloss" in stdout and "critic update" in stdout
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
     for r in rows[:3]:
@@ -58,13 +65,13 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
     assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
-def test_ppo_disaggregated_on_policy_is_the_colocate_run(tmp_path):
-    """2 trainers + 1 rollout rank at --max-staleness 0 against colocate on 2 ranks: the same
-    prompts, seeds and exactly broadcast weights, so every non-timing metric is the same, to
-    rounding (3 ranks get other thread counts than 2: tests/helpers/runs.py)."""
-    co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
-    torchrun(2, "train_ppo.py", *PPO_TINY, "--run-dir", co)
-    torchrun(3, "train_ppo.py", *PPO_TINY, "--placement", "disaggregate", "--rollout-ranks", "1",
+def test_ppo_disaggregated_on_policy_is_the_colocate_run(ppo_run, tmp_path):
+    """2 trainers + 1 rollout rank at --max-staleness 0 against colocate on 2 ranks (ppo_run,
+    with the adaptive KL controller): the same prompts, seeds and exactly broadcast weights, so
+    every non-timing metric is the same, to rounding (3 ranks get other thread counts than 2:
+    tests/helpers/runs.py)."""
+    co, dis = ppo_run[0], str(tmp_path / "dis")
+    torchrun(3, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--placement", "disaggregate", "--rollout-ranks", "1",
              "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
     assert len(a) == 4 and differences_within(a, b) == []
