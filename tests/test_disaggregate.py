@@ -80,7 +80,7 @@ def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):
     biggest = max(t.numel() * t.element_size() for t in w.values())
     smallest = min(t.numel() * t.element_size() for t in w.values())
     total = sum(t.numel() * t.element_size() for t in w.values())
-    sizes = [smallest // 2, biggest, 2 * total]  # smaller than any tensor, exactly the largest, the whole model
+    sizes = [smallest // 2, biggest, 2 * total]  # below any tensor, exactly the largest, the whole model
     torchrun(4, "tests/helpers/weight_sync.py", model, str(tmp_path), *map(str, sizes), timeout=180)
     for i in range(len(sizes)):
         sent = load_file(str(tmp_path / f"sent_sync{i}.safetensors"))
@@ -99,8 +99,9 @@ DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1"]
 
 def test_on_policy_disaggregate_is_the_colocate_run(grpo_run, tmp_path):
     """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks
-    (conftest.grpo_run: a reference model, a reward that fails now and then), same seed. Each step the same prompts go to the same trainer ranks with the same per-prompt
-    seeds, and the rollout rank generates each trainer's batch separately (the batches a
+    (conftest.grpo_run: a reference model, a reward that fails now and then), same seed. Each
+    step the same prompts go to the same trainer ranks with the same per-prompt seeds, and the
+    rollout rank generates each trainer's batch separately (the batches a
     colocated engine sees), from weights broadcast exactly: so every non-timing metric
     (rewards, lengths, losses, gradient norms, held-out accuracy) and the final weights are the
     same, to rounding: utils/dist.py gives the 2 colocated ranks os.cpu_count() // 2 threads,
@@ -191,7 +192,8 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
            "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", ahead,
            "--save-every", "0", "--run-dir", run, "--engine", engine]
     log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 240
         while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:

@@ -26,8 +26,8 @@ def test_two_rank_run_trains_logs_every_step_and_is_seeded(grpo_run, tmp_path):
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
     for r in rows[:3]:
-        for key in ("rollout/reward", "train/kl", "train/clip_frac", "rollout/response_len", "perf/generate_s",
-                    "perf/reference_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
+        for key in ("rollout/reward", "train/kl", "train/clip_frac", "rollout/response_len",
+                    "perf/generate_s", "perf/reference_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
                     "train/logprob_gap_mean", "train/logprob_gap_max"):
             assert key in r, key
         assert r["train/logprob_gap_max"] < 1e-4  # fp32 engine and trainer agree on the sampled tokens
@@ -47,9 +47,10 @@ def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           "--prompts-per-step", "3", "--run-dir", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py", "--prompts-per-step", "3", "--run-dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert "use a multiple such as [2, 4, 6]" in p.stderr
 
@@ -63,8 +64,8 @@ def test_a_wrong_model_dir_says_what_is_wrong(tmp_path, what):
     model = tmp_path / "model"
     if what == "no_tokenizer":
         shutil.copytree("assets/arith-tiny", model, ignore=shutil.ignore_patterns("tokenizer.json"))
-    p = subprocess.run([sys.executable, "train_grpo.py", "--model", str(model), "--run-dir", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "train_grpo.py", "--model", str(model), "--run-dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     want = "does not exist" if what == "missing" else "has no tokenizer.json"
     assert p.stderr.strip().splitlines()[-1].startswith("error: --model: ") and want in p.stderr, p.stderr
@@ -77,9 +78,11 @@ def test_nan_gradients_are_skipped_counted_then_stop_the_run(tmp_path):
     import sys
 
     run = str(tmp_path / "nan")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py",
            *TINY, "--steps", "6", "--lr", "1e30", "--max-skipped-steps", "2", "--run-dir", run]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert "3 steps had NaN/inf gradients (--max-skipped-steps 2)" in p.stdout + p.stderr
     rows = metrics(run)

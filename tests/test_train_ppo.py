@@ -56,7 +56,8 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(ppo_run, tmp_path):
     for before, after in zip(coefs, coefs[1:]):
         assert abs(after / before - 1) <= 0.2 * 8 / 100 + 1e-9
     assert rows[1]["train/value_loss"] > 0 and rows[1]["train/kl"] != 0  # a critic and a reference exist
-    assert rows[0]["train/value_mean"] == 0 and rows[1]["train/value_mean"] != 0  # a zero head, then it learns
+    # a zero head, then it learns
+    assert rows[0]["train/value_mean"] == 0 and rows[1]["train/value_mean"] != 0
     before = load_file("assets/arith-tiny/model.safetensors")
     after = load_file(os.path.join(a, "final", "model.safetensors"))
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
