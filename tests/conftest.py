@@ -38,6 +38,19 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
 
 
 @pytest.fixture(scope="session")
+def grpo_run(tmp_path_factory):
+    """(run dir, stdout) of a 2-rank colocated GRPO run with test_train_grpo.SEEDED's flags (a
+    reference model, a reward that fails now and then), launched once for the tests that read
+    it: test_train_grpo checks what it logs and that a rerun is identical, test_disaggregate
+    that the disaggregated run is the same. Read it, never write into it."""
+    from test_fsdp import torchrun
+    from test_train_grpo import SEEDED
+
+    path = str(tmp_path_factory.mktemp("grpo") / "run")
+    return path, torchrun(2, "train_grpo.py", *SEEDED, "--run-dir", path).stdout
+
+
+@pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """(path, transformers model) of a small random Qwen2 checkpoint."""
     path = str(tmp_path_factory.mktemp("tiny-qwen2"))

@@ -98,7 +98,8 @@ def test_aggregate_matches_a_loop():
     per = torch.randn(3, 4)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
     tok = sum(per[i, t].item() for i in range(3) for t in range(4) if mask[i, t]) / 7
-    seq = sum(sum(per[i, t].item() for t in range(4) if mask[i, t]) / mask[i].sum().item() for i in range(3)) / 3
+    seq = sum(sum(per[i, t].item() for t in range(4) if mask[i, t]) / mask[i].sum().item()
+              for i in range(3)) / 3
     assert algos.aggregate(per, mask, "token", 7).item() == pytest.approx(tok, rel=1e-5)
     assert algos.aggregate(per, mask, "sequence", 3).item() == pytest.approx(seq, rel=1e-5)
 

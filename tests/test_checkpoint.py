@@ -51,7 +51,9 @@ def straight(tmp_path_factory):
 
 
 def same_run(a, b):
-    assert [r["step"] for r in metrics(b)] == [r["step"] for r in metrics(a)]  # every step once, none lost or doubled
+    """Bit-equal: a resume on the same ranks makes the same reductions in the same order."""
+    # every step once, none lost or doubled
+    assert [r["step"] for r in metrics(b)] == [r["step"] for r in metrics(a)]
     assert differences(metrics(a), metrics(b)) == []
     wa = load_file(os.path.join(a, "final", "model.safetensors"))
     wb = load_file(os.path.join(b, "final", "model.safetensors"))
@@ -61,7 +63,8 @@ def same_run(a, b):
 def start_and_kill_rank_1(cmd, run, log_path):
     """Starts torchrun, waits for the first complete checkpoint, kill -9s local rank 1."""
     log = open(log_path, "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 240
     while checkpoint.find(run)[0] is None:
         assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
@@ -79,8 +82,8 @@ def test_kill_9_a_rank_then_resume_is_exact(tmp_path, straight):
     final = load_file(os.path.join(straight, "final", "model.safetensors"))
     assert torch.equal(hf.model.embed_tokens.weight.detach(), final["model.embed_tokens.weight"])
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           *FLAGS, "--run-dir", killed]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py", *FLAGS, "--run-dir", killed]
     p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
     assert p.wait(timeout=120) != 0  # the job fails (the peer's collectives error out), it does not hang
     done_before = len(metrics(killed))
@@ -97,8 +100,8 @@ def test_elastic_restart_after_kill_9_resumes_by_itself(tmp_path, straight):
     """torchrun --max-restarts 1: the killed rank brings the job back; the new workers find
     the newest complete checkpoint themselves, and the run ends as if nothing happened."""
     run = str(tmp_path / "elastic")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "train_grpo.py", *FLAGS, "--run-dir", run]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "--max-restarts=1", "train_grpo.py", *FLAGS, "--run-dir", run]
     p = start_and_kill_rank_1(cmd, run, tmp_path / "elastic.log")
     assert p.wait(timeout=240) == 0, open(tmp_path / "elastic.log").read()[-3000:]
     assert "resumed from" in open(tmp_path / "elastic.log").read()
@@ -107,10 +110,12 @@ def test_elastic_restart_after_kill_9_resumes_by_itself(tmp_path, straight):
 
 def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     run = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py",
            *FLAGS, "--steps", "200", "--save-every", "0", "--run-dir", run]
     log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 240
     while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
         assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
@@ -121,12 +126,14 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     path, _ = checkpoint.find(run)
     assert path is not None, open(tmp_path / "run.log").read()[-3000:]
     steps_done = int(os.path.basename(path).split("_")[1])
-    assert steps_done == len([r for r in metrics(run) if not r.get("final")]) >= 3  # saved at the step it stopped
+    # saved at the step it stopped
+    assert steps_done == len([r for r in metrics(run) if not r.get("final")]) >= 3
 
     # resuming that checkpoint with a model of another shape is a clear error, not a crash in DCP
     other = str(tmp_path / "other")
     random_checkpoint(other, num_hidden_layers=2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py",
            *FLAGS, "--model", other, "--resume", "auto", "--run-dir", run]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -139,7 +146,8 @@ def test_full_disk_on_save_keeps_the_previous_checkpoint(tmp_path):
     is reported, the previous checkpoint stays complete, and training goes on to the end."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], capture_output=True).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("mounting a small tmpfs needs root")
     try:
         run = str(disk / "run")

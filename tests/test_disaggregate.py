@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_fsdp import ROOT, torchrun
-from test_train_grpo import TINY, metrics
+from test_train_grpo import SEEDED, TINY, metrics
 
 import placement
+from tests.helpers.runs import differences_within, weights_apart
 from utils.dist import KeptBuffers, plan_buckets
-from utils.logger import differences
 from utils.tiny import random_checkpoint
 
 
@@ -80,7 +80,7 @@ def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):
     biggest = max(t.numel() * t.element_size() for t in w.values())
     smallest = min(t.numel() * t.element_size() for t in w.values())
     total = sum(t.numel() * t.element_size() for t in w.values())
-    sizes = [smallest // 2, biggest, 2 * total]  # smaller than any tensor, exactly the largest, the whole model
+    sizes = [smallest // 2, biggest, 2 * total]  # below any tensor, exactly the largest, the whole model
     torchrun(4, "tests/helpers/weight_sync.py", model, str(tmp_path), *map(str, sizes), timeout=180)
     for i in range(len(sizes)):
         sent = load_file(str(tmp_path / f"sent_sync{i}.safetensors"))
@@ -97,22 +97,28 @@ def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):
 DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1"]
 
 
-def test_on_policy_disaggregate_is_the_colocate_run(tmp_path):
-    """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks, same
-    seed. Each step the same prompts go to the same trainer ranks with the same per-prompt
-    seeds, and the rollout rank generates each trainer's batch separately (the batches a
+def test_on_policy_disaggregate_is_the_colocate_run(grpo_run, tmp_path):
+    """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks
+    (conftest.grpo_run: a reference model, a reward that fails now and then), same seed. Each
+    step the same prompts go to the same trainer ranks with the same per-prompt seeds, and the
+    rollout rank generates each trainer's batch separately (the batches a
     colocated engine sees), from weights broadcast exactly: so every non-timing metric
-    (rewards, lengths, losses, gradient norms, log-prob gaps, held-out accuracy) and the final
-    weights must be bit-identical."""
-    co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
-    torchrun(2, "train_grpo.py", *TINY, "--run-dir", co)
-    torchrun(3, "train_grpo.py", *TINY, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
+    (rewards, lengths, losses, gradient norms, held-out accuracy) and the final weights are the
+    same, to rounding: utils/dist.py gives the 2 colocated ranks os.cpu_count() // 2 threads,
+    the 3 disaggregated ones // 3, and parallel sums (the gradient norm) split with the threads
+    (tests/helpers/runs.py)."""
+    co, dis = grpo_run[0], str(tmp_path / "dis")
+    torchrun(3, "train_grpo.py", *SEEDED, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
-    assert len(a) == 4 and differences(a, b) == []
+    assert len(a) == 4 and differences_within(a, b) == []
     assert all(r["placement/staleness_max"] == 0 for r in b[:3])
     assert all(r["perf/sync_bytes"] > 0 for r in b[:3])
-    wa, wb = load_file(os.path.join(co, "final", "model.safetensors")), load_file(os.path.join(dis, "final", "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    wa = load_file(os.path.join(co, "final", "model.safetensors"))
+    wb = load_file(os.path.join(dis, "final", "model.safetensors"))
+    # last-bit noise in the gradients moves Adam's updates by about as much, relative: a run
+    # with GEMMs of another summation order (MKL_CBWR=COMPATIBLE) ended 2.7e-5 of the update away
+    apart = weights_apart(wa, wb, load_file("assets/arith-tiny/model.safetensors"))
+    assert apart <= 1e-3, apart
 
 
 def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):
@@ -186,7 +192,8 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
            "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", ahead,
            "--save-every", "0", "--run-dir", run, "--engine", engine]
     log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 240
         while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:

@@ -8,6 +8,7 @@ from test_fsdp import torchrun
 
 from utils import algos
 from utils.data import PromptStream, step_indices
+from tests.helpers.runs import differences_within
 from utils.logger import differences, read_metrics
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
@@ -91,7 +92,10 @@ def test_dynamic_sampling_is_the_same_run_in_every_placement_and_after_a_resume(
     """With the judge as a second reward: colocate on 2 ranks, disaggregate (2 trainers + 1
     rollout rank, staleness 0), partial (1 sampler + 1 judge) and a resume from colocate's
     step-2 checkpoint draw the same waves with the same seeds, so every non-timing metric is the
-    same; each step holds exactly --prompts-per-step groups (kept + padded) of those generated."""
+    same: to rounding across placements (3 ranks get other thread counts than 2, the partial
+    sampler generates in chunks of another batch shape: tests/helpers/runs.py), to the bit after
+    the resume; each step holds exactly --prompts-per-step groups (kept + padded) of those
+    generated."""
     co, dis, pa, re = (str(tmp_path / d) for d in ("co", "dis", "pa", "re"))
     flags = [*TINY, *JUDGE]
     torchrun(2, "train_grpo.py", *flags, "--run-dir", co, "--save-every", "2")
@@ -101,8 +105,11 @@ def test_dynamic_sampling_is_the_same_run_in_every_placement_and_after_a_resume(
     step2 = os.path.join(co, "checkpoints", "step_00000002")
     torchrun(2, "train_grpo.py", *flags, "--run-dir", re, "--resume", step2)
     a = metrics(co)
-    assert len(a) == 4 and differences(a, metrics(dis)) == [] and differences(a, metrics(pa)) == []
-    assert differences(a[2:], metrics(re)) == []  # the prompt stream and the ema came back exactly
+    assert len(a) == 4 and differences_within(a, metrics(dis)) == []
+    assert differences_within(a, metrics(pa)) == []
+    # the same ranks, threads and batches as colocate's steps 2-3, hence the same sums in the same
+    # order: bit-equal, so the prompt stream and the ema came back exactly
+    assert differences(a[2:], metrics(re)) == []
     for r in a[:3]:
         assert r["rollout/ds_groups_kept"] + r["rollout/ds_groups_padded"] == 4
         assert r["rollout/ds_groups_generated"] >= 4 and 1 <= r["rollout/ds_waves"] <= 4

@@ -17,7 +17,8 @@ from test_train_ppo import PPO_TINY
 from utils import errors
 
 # a frame of our own code in a traceback (torch's own utils/ excluded)
-OUR_FRAME = re.compile(r'File "[^"]*(train_(grpo|ppo|rm)\.py|placement\.py|roles/\w+\.py|(?<!torch)/utils/\w+\.py)"')
+OUR_FRAME = re.compile(r'File "[^"]*(train_(grpo|ppo|rm)\.py|placement\.py|roles/\w+\.py'
+                       r'|(?<!torch)/utils/\w+\.py)"')
 
 
 def make_inputs(tmp):
@@ -47,11 +48,13 @@ CASES = [  # (flags, what the error line must say)
     (["--clip-low", "1"], "--clip-low 1.0: use a number in [0, 1)"),
     (["--micro-batch-size", "0"], "--micro-batch-size 0: use 1 or more"),
     (["--dual-clip-c", "1"], "--dual-clip-c 1.0: use a bound above 1"),
-    (["--overlong-buffer", "9"], "--overlong-buffer 9: use 0 (off) or a number of tokens up to --max-new-tokens (6)"),
+    (["--overlong-buffer", "9"],
+     "--overlong-buffer 9: use 0 (off) or a number of tokens up to --max-new-tokens (6)"),
     (["--mismatch-high", "0.5"], "--mismatch-high 0.5: use 1 or more"),
     (["--timeout-s", "0"], "--timeout-s 0.0: use a positive number of seconds"),
     (["--reward-weights", "1", "2"], "--reward-weights (1.0, 2.0): use one weight per --rewards term"),
-    (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: use restart, auto, none or a complete"),
+    (["--resume", "/no/such/checkpoint"],
+     "--resume /no/such/checkpoint: use restart, auto, none or a complete"),
     (["--resume", "{tmp}"], "use restart, auto, none or a complete checkpoint"),
     (["--learning-rate", "1e-4"], "the flags do not parse (see above)"),
     (["--run-dir", "{tmp}/bad.jsonl"], "--run-dir"),
@@ -63,36 +66,45 @@ CASES = [  # (flags, what the error line must say)
     (["--minibatches", "3"], "--minibatches 3 does not split the 8 completions"),
     (["--answer-column", "None"], "--rewards accuracy compares each completion with the row's answer"),
     (["--rewards", "accuracy", "rm"], "--reward-model None: use a reward model together with the `rm` term"),
-    (["--reward-model", "assets/arith-tiny"], "--reward-model assets/arith-tiny: use a reward model together"),
+    (["--reward-model", "assets/arith-tiny"],
+     "--reward-model assets/arith-tiny: use a reward model together"),
     (["--rewards", "rm", "--reward-model", "assets/arith-tiny"],
      "--reward-model assets/arith-tiny is a Qwen2ForCausalLM: use a ...ForSequenceClassification checkpoint"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--dynamic-sampling", "--advantage", "remax"], "carry no signal only under a group baseline"),
-    (["--placement", "partial", "--sampler-ranks", "1"], "--judge-model None: use a judge: --placement partial"),
+    (["--placement", "partial", "--sampler-ranks", "1"],
+     "--judge-model None: use a judge: --placement partial"),
     (["--rewards", "judge"], "--judge-model None: use a judge together with the `judge` term of --rewards"),
-    (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny", "--judge-template", "{prompt} {why}"],
+    (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny",
+      "--judge-template", "{prompt} {why}"],
      "--judge-template reads {why}, which is no field"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
-    (["--model", "Qwen/Qwen3-0.6B"], "--model Qwen/Qwen3-0.6B: no such local directory, and downloading it from "
-     "the Hugging Face hub failed (LocalEntryNotFoundError); without the network, pass a local checkpoint"),
+    (["--model", "Qwen/Qwen3-0.6B"],
+     "--model Qwen/Qwen3-0.6B: no such local directory, and downloading it from the Hugging Face hub "
+     "failed (LocalEntryNotFoundError); without the network, pass a local checkpoint"),
     # data, after the process group
     (["--dataset", "{tmp}/bad.jsonl", "--eval-every", "0"], "bad.jsonl' line 2: not valid JSON"),
-    (["--dataset", "{tmp}/int_prompt.jsonl", "--eval-every", "0"], "int_prompt.jsonl' row 1: column 'prompt'"),
-    (["--dataset", "{tmp}/list_answer.jsonl", "--eval-every", "0"], "row 0: column 'answer' must be a string"),
-    (["--dataset", "{tmp}/junk.parquet", "--eval-every", "0"], "junk.parquet' is not a readable parquet file"),
+    (["--dataset", "{tmp}/int_prompt.jsonl", "--eval-every", "0"],
+     "int_prompt.jsonl' row 1: column 'prompt'"),
+    (["--dataset", "{tmp}/list_answer.jsonl", "--eval-every", "0"],
+     "row 0: column 'answer' must be a string"),
+    (["--dataset", "{tmp}/junk.parquet", "--eval-every", "0"],
+     "junk.parquet' is not a readable parquet file"),
     (["--dataset", "{tmp}/missing.jsonl"], "dataset file '{tmp}/missing.jsonl' does not exist"),
-    (["--dataset", "{tmp}/bad.jsonl", "--eval-every", "0", "--placement", "disaggregate", "--rollout-ranks", "1"],
+    (["--dataset", "{tmp}/bad.jsonl", "--eval-every", "0", "--placement", "disaggregate",
+      "--rollout-ranks", "1"],
      "bad.jsonl' line 2: not valid JSON"),  # on 3 ranks: the rollout rank leaves without a traceback
     # rewards, after the process group (the last two during the steps)
     (["--rewards", "nonsense"], "reward 'nonsense': use one of"),
-    (["--rewards", "tests.helpers.rewards:words"], "returned ['good', 'good', 'good', 'good']...: it must return"),
+    (["--rewards", "tests.helpers.rewards:words"],
+     "returned ['good', 'good', 'good', 'good']...: it must return"),
     (["--rewards", "tests.helpers.rewards:wrong_length"], "returned 1 scores for 8 completions"),
     (["--rewards", "tests.helpers.rewards:always_fails", "--max-skipped-steps", "1"],
      "stopping: in 2 steps every reward failed (--max-skipped-steps 1); check --rewards "
-     "tests.helpers.rewards:always_fails: tests.helpers.rewards:always_fails: RuntimeError: this reward always "
-     "fails. No checkpoint was saved."),
+     "tests.helpers.rewards:always_fails: tests.helpers.rewards:always_fails: RuntimeError: "
+     "this reward always fails. No checkpoint was saved."),
 ]
 
 
@@ -139,9 +151,10 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
     flags, says = fill(flags, says, inputs)
     ranks = 3 if "disaggregate" in flags else 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           script, *(TINY if script == "train_grpo.py" else PPO_TINY), "--run-dir", str(tmp_path / "run"), *flags]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # tests never download
+           script, *(TINY if script == "train_grpo.py" else PPO_TINY), "--run-dir", str(tmp_path / "run"),
+           *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # tests never download
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-2000:]
     lines = [line for line in out.splitlines() if line.startswith("error:")]
@@ -175,7 +188,8 @@ def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback(debug):
     env = {**os.environ, "RL_DEBUG": "1" if debug else "0"}
     run = partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     pre = "from utils import errors; errors.install(); "
-    user = run([sys.executable, "-c", pre + "raise errors.UserError('--lr -1: use a positive learning rate')"])
+    user = run([sys.executable, "-c",
+                pre + "raise errors.UserError('--lr -1: use a positive learning rate')"])
     bug = run([sys.executable, "-c", pre + "{}['missing']"])
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'missing'" in bug.stderr
     if debug:
@@ -213,7 +227,8 @@ def test_a_failed_sample_adds_nothing_to_the_loss_or_its_gradient():
 def test_nan_rewards_are_failures_not_zeros():
     from roles.reward import Reward
 
-    total, _, failed = Reward(["tests.helpers.rewards:nan_for_odd"]).score(["p"] * 4, ["a1", "b2", "c3", "d4"], {})
+    reward = Reward(["tests.helpers.rewards:nan_for_odd"])
+    total, _, failed = reward.score(["p"] * 4, ["a1", "b2", "c3", "d4"], {})
     assert failed.tolist() == [True, False, True, False] and total.tolist() == [0.0, 1.0, 0.0, 1.0]
 
 

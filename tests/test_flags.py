@@ -45,8 +45,8 @@ def test_every_flag_has_a_docstring_and_help_shows_it_with_its_default(script):
     fields = args_fields(script)
     assert len(fields) > 5
     assert [name for name, documented in fields if not documented] == []
-    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "COLUMNS": "200"})
+    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert p.returncode == 0, p.stderr[-2000:]
     for name, _ in fields:
         assert f"--{name.replace('_', '-')}" in p.stdout, name

@@ -18,7 +18,8 @@ def test_differences_ignore_timings_only():
     a = [{"step": 0, "rollout/reward": 0.5, "perf/step_s": 1.0, "placement/idle_share": 0.1}]
     same = [{"step": 0, "rollout/reward": 0.5, "perf/step_s": 2.0, "placement/idle_share": 0.3}]
     assert differences(a, same) == []
-    assert differences(a, [{"step": 0, "rollout/reward": 0.5000001}]) == ["step 0 rollout/reward: 0.5 != 0.5000001"]
+    assert differences(a, [{"step": 0, "rollout/reward": 0.5000001}]) == [
+        "step 0 rollout/reward: 0.5 != 0.5000001"]
     assert differences(a, [{"step": 0, "rollout/reward": 0.5, "train/kl": 0.0}]) == [
         "step 0 train/kl: (absent) != 0.0"]
     assert differences(a, a + a) == ["1 rows against 2"]
@@ -122,8 +123,8 @@ def test_track_without_wandb_says_how_to_install_it_in_one_line(tmp_path):
     stub.mkdir()
     (stub / "wandb.py").write_text("raise ImportError('wandb is made unimportable by the test')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(stub)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           *TINY, "--track", "--run-dir", str(tmp_path / "run")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py", *TINY, "--track", "--run-dir", str(tmp_path / "run")]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
     assert p.returncode != 0 and len(errors) == 1, errors or p.stderr[-3000:]

@@ -95,7 +95,8 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, arch, llama3):
 def test_sharded_checkpoint_loads(tmp_path):
     ref = hf_checkpoint(str(tmp_path), "qwen2", tie_word_embeddings=False)
     ref.save_pretrained(str(tmp_path), max_shard_size="200KB")
-    os.remove(os.path.join(tmp_path, "model.safetensors")) if os.path.exists(tmp_path / "model.safetensors") else None
+    if os.path.exists(tmp_path / "model.safetensors"):
+        os.remove(os.path.join(tmp_path, "model.safetensors"))
     assert os.path.isfile(tmp_path / "model.safetensors.index.json")
     names = {n for n, _ in iter_checkpoint(str(tmp_path))}
     assert "lm_head.weight" in names

@@ -10,9 +10,11 @@ import time
 import psutil
 import torch.distributed as dist
 
-from test_disaggregate import DISAGG, differences, metrics
+from test_disaggregate import DISAGG, metrics
 from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY
+
+from tests.helpers.runs import differences_within
 
 
 def nodes(nprocs: list[int], args: list[str], logs: list[str]):
@@ -45,12 +47,14 @@ def test_two_nodes_train_alike_in_colocate_and_disaggregate(tmp_path):
     """A full GRPO run across two nodes: colocate with a trainer on each node (FSDP's collectives
     cross nodes), then disaggregate with the trainers on one node and the rollout rank on the
     other (the weight sync crosses nodes). At --max-staleness 0 the two are the same
-    experiment (tests/test_disaggregate.py), so every non-timing metric must be identical."""
+    experiment (tests/test_disaggregate.py), so every non-timing metric agrees to rounding: not
+    to the bit, as the trainers of the two launches have os.cpu_count() // 1 and // 2 threads
+    (utils/dist.py), whose parallel sums (the gradient norm) split differently."""
     co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
     run_nodes([1, 1], [*TINY, "--run-dir", co], tmp_path)
     run_nodes([2, 1], [*TINY, *DISAGG, "--max-staleness", "0", "--run-dir", dis], tmp_path)
     a, b = metrics(co), metrics(dis)
-    assert len(a) == 4 and differences(a, b) == []
+    assert len(a) == 4 and differences_within(a, b) == []
     assert all(r["perf/sync_bytes"] > 0 for r in b[:3])
 
 

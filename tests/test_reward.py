@@ -58,7 +58,8 @@ SAFE = "```python\ndef add(a, b):\n    return a + b\n```"
 HOSTILE = {
     "loops forever": "while True:\n    pass",
     "allocates without bound": "x = []\nwhile True:\n    x.append(bytearray(10**7))",
-    "opens a socket": "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')",
+    "opens a socket": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\n"
+                       "print('connected')"),
     "forks and hangs": "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)",
     "kills its parent": "import os\nos.kill(os.getppid(), 9)",
 }
@@ -91,6 +92,7 @@ def test_code_reward_sandbox_has_no_network():
     server.bind(("127.0.0.1", 0))
     server.listen()
     code = f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)\n"
-    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0  # reachable without the sandbox
+    # reachable without the sandbox
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
     assert not run_sandboxed(code, timeout_s=5)
     server.close()

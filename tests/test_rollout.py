@@ -135,7 +135,8 @@ def test_inverse_cdf_draws_from_the_running_sum(V):
     probs[:, -50:] = 0  # and at its end
     cdf = probs.double().cumsum(-1)  # [N, V]
     same = 0
-    top = torch.full((32,), 1 - 2.0 ** -33, dtype=torch.float64)  # the largest uniform: the last nonzero entry
+    # the largest uniform: the last nonzero entry
+    top = torch.full((32,), 1 - 2.0 ** -33, dtype=torch.float64)
     for u in [uniforms(torch.arange(32), t) for t in range(20)] + [top]:
         target = u * cdf[:, -1]  # [N]
         i = inverse_cdf(probs, u)  # [N, 1]

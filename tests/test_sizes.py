@@ -72,7 +72,8 @@ def test_each_step_loop_is_short():
             loops += 1
             body = body_lines(loop)
             if body > LOOP_LINES:
-                offenders.append(f"{path}:{loop.lineno}: the step loop's body is {body} lines, over {LOOP_LINES}")
+                offenders.append(f"{path}:{loop.lineno}: the step loop's body is {body} lines, "
+                                 f"over {LOOP_LINES}")
     assert loops >= 1  # the guard found the loops it guards
     assert not offenders, "\n".join(offenders)
 

@@ -11,22 +11,23 @@ from utils.logger import differences, read_metrics
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
+# conftest.grpo_run's: a reference model, a reward that fails now and then
+SEEDED = TINY + ["--kl-coef", "0.05", "--rewards", "accuracy", "tests.helpers.rewards:flaky"]
 
 
 def metrics(run_dir):
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
-def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    flags = TINY + ["--kl-coef", "0.05", "--rewards", "accuracy", "tests.helpers.rewards:flaky"]
-    p = torchrun(2, "train_grpo.py", *flags, "--run-dir", a)
-    assert "step    3/3" in p.stdout
+def test_two_rank_run_trains_logs_every_step_and_is_seeded(grpo_run, tmp_path):
+    a, stdout = grpo_run  # SEEDED's flags
+    b = str(tmp_path / "b")
+    assert "step    3/3" in stdout
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
     for r in rows[:3]:
-        for key in ("rollout/reward", "train/kl", "train/clip_frac", "rollout/response_len", "perf/generate_s",
-                    "perf/reference_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
+        for key in ("rollout/reward", "train/kl", "train/clip_frac", "rollout/response_len",
+                    "perf/generate_s", "perf/reference_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
                     "train/logprob_gap_mean", "train/logprob_gap_max"):
             assert key in r, key
         assert r["train/logprob_gap_max"] < 1e-4  # fp32 engine and trainer agree on the sampled tokens
@@ -38,17 +39,18 @@ def test_two_rank_run_trains_logs_every_step_and_is_seeded(tmp_path):
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
-    torchrun(2, "train_grpo.py", *flags, "--run-dir", b)
-    assert differences(metrics(a), metrics(b)) == []
+    torchrun(2, "train_grpo.py", *SEEDED, "--run-dir", b)
+    assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
 def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           "--prompts-per-step", "3", "--run-dir", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py", "--prompts-per-step", "3", "--run-dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert "use a multiple such as [2, 4, 6]" in p.stderr
 
@@ -62,8 +64,8 @@ def test_a_wrong_model_dir_says_what_is_wrong(tmp_path, what):
     model = tmp_path / "model"
     if what == "no_tokenizer":
         shutil.copytree("assets/arith-tiny", model, ignore=shutil.ignore_patterns("tokenizer.json"))
-    p = subprocess.run([sys.executable, "train_grpo.py", "--model", str(model), "--run-dir", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "train_grpo.py", "--model", str(model), "--run-dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     want = "does not exist" if what == "missing" else "has no tokenizer.json"
     assert p.stderr.strip().splitlines()[-1].startswith("error: --model: ") and want in p.stderr, p.stderr
@@ -76,9 +78,11 @@ def test_nan_gradients_are_skipped_counted_then_stop_the_run(tmp_path):
     import sys
 
     run = str(tmp_path / "nan")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "train_grpo.py",
            *TINY, "--steps", "6", "--lr", "1e30", "--max-skipped-steps", "2", "--run-dir", run]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert "3 steps had NaN/inf gradients (--max-skipped-steps 2)" in p.stdout + p.stderr
     rows = metrics(run)

@@ -13,12 +13,21 @@ from test_checkpoint import same_run, start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import TINY, metrics
 
+from tests.helpers.runs import differences_within
 from utils.logger import differences
 from utils.tiny import random_reward_model
 
 PPO_TINY = ["--steps", "3", "--prompts-per-step", "8", "--eval-every", "2", "--eval-prompts", "8",
             "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
 ADAPTIVE = ["--kl-coef", "0.05", "--kl-target", "0.01", "--kl-horizon", "100"]
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """(run dir, stdout) of a 2-rank colocated PPO run with the adaptive KL controller, launched
+    once for the tests that read it (what it logs, its rerun, its disaggregated twin)."""
+    path = str(tmp_path_factory.mktemp("ppo") / "run")
+    return path, torchrun(2, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--run-dir", path).stdout
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +38,9 @@ def reward_model_dir(tmp_path_factory):
     return path
 
 
-def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    p = torchrun(2, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--run-dir", a)
-    assert "step    3/3" in p.stdout and "vloss" in p.stdout and "critic update" in p.stdout
+def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(ppo_run, tmp_path):
+    (a, stdout), b = ppo_run, str(tmp_path / "b")
+    assert "step    3/3" in stdout and "vloss" in stdout and "critic update" in stdout
     rows = metrics(a)
     assert [r["step"] for r in rows] == [0, 1, 2, 2] and rows[-1]["final"]
     for r in rows[:3]:
@@ -48,24 +56,26 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(tmp_path):
     for before, after in zip(coefs, coefs[1:]):
         assert abs(after / before - 1) <= 0.2 * 8 / 100 + 1e-9
     assert rows[1]["train/value_loss"] > 0 and rows[1]["train/kl"] != 0  # a critic and a reference exist
-    assert rows[0]["train/value_mean"] == 0 and rows[1]["train/value_mean"] != 0  # a zero head, then it learns
+    # a zero head, then it learns
+    assert rows[0]["train/value_mean"] == 0 and rows[1]["train/value_mean"] != 0
     before = load_file("assets/arith-tiny/model.safetensors")
     after = load_file(os.path.join(a, "final", "model.safetensors"))
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
 
     torchrun(2, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--run-dir", b)
-    assert differences(metrics(a), metrics(b)) == []
+    assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
-def test_ppo_disaggregated_on_policy_is_the_colocate_run(tmp_path):
-    """2 trainers + 1 rollout rank at --max-staleness 0 against colocate on 2 ranks: the same
-    prompts, seeds and exactly broadcast weights, so every non-timing metric is the same."""
-    co, dis = str(tmp_path / "co"), str(tmp_path / "dis")
-    torchrun(2, "train_ppo.py", *PPO_TINY, "--run-dir", co)
-    torchrun(3, "train_ppo.py", *PPO_TINY, "--placement", "disaggregate", "--rollout-ranks", "1",
+def test_ppo_disaggregated_on_policy_is_the_colocate_run(ppo_run, tmp_path):
+    """2 trainers + 1 rollout rank at --max-staleness 0 against colocate on 2 ranks (ppo_run,
+    with the adaptive KL controller): the same prompts, seeds and exactly broadcast weights, so
+    every non-timing metric is the same, to rounding (3 ranks get other thread counts than 2:
+    tests/helpers/runs.py)."""
+    co, dis = ppo_run[0], str(tmp_path / "dis")
+    torchrun(3, "train_ppo.py", *PPO_TINY, *ADAPTIVE, "--placement", "disaggregate", "--rollout-ranks", "1",
              "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
-    assert len(a) == 4 and differences(a, b) == []
+    assert len(a) == 4 and differences_within(a, b) == []
     assert all(r["perf/sync_bytes"] > 0 for r in b[:3])
 
 

@@ -53,3 +53,15 @@ def differences_within(a: list[dict], b: list[dict], rel: float = REL) -> list[s
             elif x != y:
                 out.append(f"{where}: {x} != {y}")
     return out
+
+
+
+def weights_apart(a: dict, b: dict, start: dict) -> float:
+    """How far two runs' final weights are apart as a share of how far training moved them,
+    over the whole model: ||a - b|| / ||a - start||. The update is the scale: both runs start
+    from the same weights, so only their updates differ. Not per tensor: a tensor whose exact
+    gradient is 0 (k_proj's bias: it adds one constant to a query's logits, which softmax
+    ignores) gets an update that is rounding noise normalised by Adam, noise over noise."""
+    apart = sum((a[k] - b[k]).double().pow(2).sum() for k in a) ** 0.5
+    moved = sum((a[k] - start[k]).double().pow(2).sum() for k in a) ** 0.5
+    return float(apart / moved)
