@@ -58,7 +58,8 @@ if rank == 0:
     for r in rows:
         print(f"| {r[0]:<22} | {r[1]:8.1f} | {r[2]:8.1f} | {r[3]:6.2f} | {r[4]:6.2f} |")
     tiny_save = rows[0][3]
-    step_s = float(os.environ.get("STEP_S", "0.28"))  # the default run's step: 800 in ~230 s, see docs/tiny-model.md
+    # the default run's step: 800 in ~230 s, see docs/tiny-model.md
+    step_s = float(os.environ.get("STEP_S", "0.28"))
     for k in (10, 50):
         print(f"default run, --save-every {k}: {tiny_save / (k * step_s):.2%} of step time "
               f"(save {tiny_save:.2f}s / ({k} x {step_s}s per step))")
