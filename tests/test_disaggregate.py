@@ -101,11 +101,11 @@ def test_on_policy_disaggregate_is_the_colocate_run(grpo_run, tmp_path):
     """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks
     (conftest.grpo_run: a reference model, a reward that fails now and then), same seed. Each
     step the same prompts go to the same trainer ranks with the same per-prompt seeds, and the
-    rollout rank generates each trainer's batch separately (the batches a
-    colocated engine sees), from weights broadcast exactly: so every non-timing metric
-    (rewards, lengths, losses, gradient norms, held-out accuracy) and the final weights are the
-    same, to rounding: utils/dist.py gives the 2 colocated ranks os.cpu_count() // 2 threads,
-    the 3 disaggregated ones // 3, and parallel sums (the gradient norm) split with the threads
+    rollout rank generates each trainer's batch separately (the batches a colocated engine
+    sees), from weights broadcast exactly: so every non-timing metric (rewards, lengths, losses,
+    gradient norms, held-out accuracy) and the final weights are the same, to rounding:
+    utils/dist.py gives the 2 colocated ranks os.cpu_count() // 2 threads, the 3 disaggregated
+    ones // 3, and a kernel may sum in another order on another thread count
     (tests/helpers/runs.py)."""
     co, dis = grpo_run[0], str(tmp_path / "dis")
     torchrun(3, "train_grpo.py", *SEEDED, *DISAGG, "--max-staleness", "0", "--run-dir", dis)

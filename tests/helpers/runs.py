@@ -2,12 +2,14 @@
 
 `utils.logger.differences` asks for bit-equal metrics: right for two runs that make the same
 reductions in the same order (a seeded rerun, a resume on the same ranks). Two placements of
-one experiment need not: utils/dist.py gives each rank os.cpu_count() // LOCAL_WORLD_SIZE
-intra-op threads, so 2 colocated ranks and 3 disaggregated ones (or 1 and 2 ranks per node)
-split torch's parallel sums (a gradient's norm, a loss over the batch) into other chunks on a
-machine with more than 3 cores; and a partial-placement sampler generates in --judge-chunk
-batches, a colocated engine a whole wave at once (GEMM kernels may sum a row differently in
-another batch shape, as MKL's AVX-512 ones do). The runs then agree to rounding, not to the bit.
+one experiment need not. A partial-placement sampler generates in --judge-chunk batches, a
+colocated engine a whole wave at once, and a GEMM kernel may sum a row in another order in
+another batch shape (MKL's AVX-512 kernels do; MKL_CBWR=COMPATIBLE does it on any CPU and turns
+tests/test_dynamic_sampling.py's partial run 7.611648 against 7.611651 in train/grad_norm, as
+the AVX-512 machine did). And utils/dist.py gives each rank os.cpu_count() // LOCAL_WORLD_SIZE
+intra-op threads, so 2 colocated ranks and 3 disaggregated ones (or 1 and 2 ranks per node) run
+on other thread counts, where a kernel may split its sums otherwise. The runs then agree to
+rounding, not to the bit.
 """
 from utils.logger import without_timings
 
