@@ -15,6 +15,7 @@ import torch
 import tyro
 
 import placement
+from roles.reward import Reward
 from utils import checkpoint, dist, errors
 from utils.data import BUILTIN, Tokenizer, eval_source, load_rows, prompt_seed, tokenize_rows
 from utils.engines import SamplingParams, Samples
@@ -162,8 +163,6 @@ class Evaluator:
     sampler ranks generate them all."""
 
     def __init__(self, rows: list[dict], every: int, steps: int, params: SamplingParams, seed: int, plan):
-        from roles.reward import Reward
-
         self.rows, self.every, self.steps, self.params = rows, every, steps, params
         self.seed, self.plan = seed, plan
         self.accuracy = Reward(["accuracy"])

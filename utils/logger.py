@@ -153,25 +153,53 @@ def without_timings(rows: list[dict]) -> list[dict]:
     return kept
 
 
-def differences(a: list[dict], b: list[dict]) -> list[str]:
-    """Where two runs' metrics differ, timings aside: one line per differing step and key."""
+# differences(rel=...): the metrics file keeps 6 decimals (Logger.log rounds), so two values a hair
+# apart can land 1e-6 apart; one more unit for the noise itself
+FLOOR = 2e-6
+# rounding noise itself (the engine's log-probs against the trainer's, of the same tokens): with a
+# tolerance, never compared across runs, only bounded in each
+NOISE, NOISE_BOUND = ("train/logprob_gap_mean", "train/logprob_gap_max"), 1e-4
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def differences(a: list[dict], b: list[dict], rel: float | None = None) -> list[str]:
+    """Where two runs' metrics differ, timings aside: one line per differing step and key.
+    rel None: bit for bit (two runs that make the same reductions in the same order). rel: a
+    float may differ by FLOOR + rel * max(1, |value|), NOISE keys are only held under
+    NOISE_BOUND, integers, flags and names must still be equal (runs whose sums run in
+    another order: tests/helpers/runs.py says why and how much)."""
     a, b = without_timings(a), without_timings(b)
     if len(a) != len(b):
         return [f"{len(a)} rows against {len(b)}"]
     out = []
     for row_a, row_b in zip(a, b):
         for key in sorted(set(row_a) | set(row_b)):
-            value_a = row_a.get(key, "(absent)")
-            value_b = row_b.get(key, "(absent)")
-            if value_a != value_b:
-                out.append(f"step {row_a.get('step')} {key}: {value_a} != {value_b}")
+            x, y = row_a.get(key, "(absent)"), row_b.get(key, "(absent)")
+            where = f"step {row_a.get('step')} {key}"
+            if rel is None or not (_number(x) and _number(y)):
+                if x != y:
+                    out.append(f"{where}: {x} != {y}")
+            elif key in NOISE:
+                if not (abs(x) < NOISE_BOUND and abs(y) < NOISE_BOUND):
+                    out.append(f"{where}: {x}, {y} (noise, bounded by {NOISE_BOUND})")
+            elif isinstance(x, float) or isinstance(y, float):
+                tolerance = FLOOR + rel * max(1.0, abs(x), abs(y))
+                if abs(x - y) > tolerance:
+                    out.append(f"{where}: {x} != {y} (off by {abs(x - y):.2g} > {tolerance:.2g})")
+            elif x != y:
+                out.append(f"{where}: {x} != {y}")
     return out
 
 
 if __name__ == "__main__":
+    # python -m utils.logger A/metrics.jsonl B/metrics.jsonl [--rel 1e-5]: bit for bit, or within rel
     first, second = sys.argv[1:3]
+    rel = float(sys.argv[sys.argv.index("--rel") + 1]) if "--rel" in sys.argv else None
     rows = read_metrics(first)
-    diff = differences(rows, read_metrics(second))
+    diff = differences(rows, read_metrics(second), rel)
     keys = {k for r in without_timings(rows) for k in r}
     print("\n".join(diff[:50]))
     print(f"{len(rows)} rows, {len(keys)} keys compared (perf/ and placement/ left out): "

@@ -11,51 +11,21 @@ intra-op threads, so 2 colocated ranks and 3 disaggregated ones (or 1 and 2 rank
 on other thread counts, where a kernel may split its sums otherwise. The runs then agree to
 rounding, not to the bit.
 """
-from utils.logger import without_timings
+from utils.logger import differences
 
-# The metrics file keeps 6 decimals (utils.logger.Logger.log rounds): two values a hair apart
-# can land 1e-6 apart; one more unit for the noise itself.
-FLOOR = 2e-6
-# Relative to the quantity's scale, max(1, |value|): a logged mean's rounding error is relative
-# to the terms it averages, ~1 for rewards (in [0, 1]), whitened advantages and ratios near 1,
-# even where the mean cancels to ~0 (pg_loss); larger quantities (a gradient norm, a length)
-# scale it themselves. 1e-5 is ~80 float32 eps (1.2e-7): room for last-bit noise to grow over a
-# few Adam steps, and far below what a changed sample moves (a reward of these 16-sample steps
-# by 1/16) or a wrong term.
+# The comparison is utils.logger.differences(rel=REL), whose FLOOR covers the 6 logged decimals and
+# whose NOISE keys (the log-prob gaps) are bounded, not compared. REL is relative to the quantity's
+# scale, max(1, |value|): a logged mean's rounding error is relative to the terms it averages, ~1 for
+# rewards (in [0, 1]), whitened advantages and ratios near 1, even where the mean cancels to ~0
+# (pg_loss); larger quantities (a gradient norm, a length) scale it themselves. 1e-5 is ~80 float32
+# eps (1.2e-7): room for last-bit noise to grow over a few Adam steps, and far below what a changed
+# sample moves (a reward of these 16-sample steps by 1/16) or a wrong term.
 REL = 1e-5
-# Rounding noise itself (the engine's log-probs against the trainer's of the same tokens):
-# never compared across runs, only bounded in each (fp32 engine and trainer agree).
-NOISE = ("train/logprob_gap_mean", "train/logprob_gap_max")
-NOISE_BOUND = 1e-4
-
-
-def number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def differences_within(a: list[dict], b: list[dict], rel: float = REL) -> list[str]:
-    """Like utils.logger.differences (timings aside, one line per step and key), but a float
-    metric may differ by FLOOR + rel * max(1, |value|); NOISE keys are only held under
-    NOISE_BOUND; integers, flags and names must be equal."""
-    a, b = without_timings(a), without_timings(b)
-    if len(a) != len(b):
-        return [f"{len(a)} rows against {len(b)}"]
-    out = []
-    for row_a, row_b in zip(a, b):
-        for key in sorted(set(row_a) | set(row_b)):
-            x, y = row_a.get(key, "(absent)"), row_b.get(key, "(absent)")
-            where = f"step {row_a.get('step')} {key}"
-            if key in NOISE:
-                if not (number(x) and number(y) and abs(x) < NOISE_BOUND and abs(y) < NOISE_BOUND):
-                    out.append(f"{where}: {x}, {y} (noise, bounded by {NOISE_BOUND})")
-            elif number(x) and number(y) and (isinstance(x, float) or isinstance(y, float)):
-                tolerance = FLOOR + rel * max(1.0, abs(x), abs(y))
-                if abs(x - y) > tolerance:
-                    out.append(f"{where}: {x} != {y} (off by {abs(x - y):.2g} > {tolerance:.2g})")
-            elif x != y:
-                out.append(f"{where}: {x} != {y}")
-    return out
-
+    """Two placements of one experiment: their metrics to rounding (utils.logger.differences)."""
+    return differences(a, b, rel)
 
 
 def weights_apart(a: dict, b: dict, start: dict) -> float:
