@@ -19,7 +19,7 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,14 +48,14 @@ class PlacementArgs:
     many policy versions old (0: on-policy, the same run as colocate)"""
     sync_bucket_mb: float = 64.0
     """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "sync_bucket_mb": ("placement", lambda p: p == "disaggregate", "--placement disaggregate")}
 
     def check(self, world: int, prompts_per_step: int) -> "Layout":
         """The flags' ranges, then the layout (`check`): no process group needed."""
         check_rules(self, [
             ("rollout_ranks", self.rollout_ranks >= 0, "0 (colocate) or more"),
-            ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "a positive size in MiB"),
-            ("sync_bucket_mb", self.sync_bucket_mb == 64.0 or self.placement == "disaggregate",
-             "it only applies to --placement disaggregate (drop it)")])
+            ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "a positive size in MiB")])
         return check(self.placement, world, prompts_per_step, self.rollout_ranks, self.max_staleness,
                      self.sampler_ranks)
 

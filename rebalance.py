@@ -13,6 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -43,6 +44,10 @@ class RebalanceArgs:
     rebalance_force: tuple[int, int] | None = None
     """--rebalance, a test hook: STEP K moves to K rollout ranks after STEP steps, whatever the
     measurements say"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "rebalance_threshold": ("rebalance", bool, "--rebalance"),
+        "rebalance_window": ("rebalance", bool, "--rebalance"),
+        "rebalance_gap": ("rebalance", bool, "--rebalance")}
 
     def check(self, args, world: int, layout: Layout):
         check_rules(self, [

@@ -16,6 +16,7 @@ gathers the batch. The rewards come from roles/reward.py `Scorer`.
 import math
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -40,9 +41,12 @@ class DynamicSamplingArgs:
     --ds-oversampling) prompts until it holds its prompts-per-step / trainers informative groups or
     the refills run out; slots still empty are filled with dropped groups that leave the loss"""
     ds_oversampling: float = 1.2
-    """dynamic sampling: draw this many times the prompts the running ratio says are needed"""
+    """--dynamic-sampling: draw this many times the prompts the running ratio says are needed"""
     ds_max_refills: int = 3
-    """dynamic sampling: waves after the first, at most, per step"""
+    """--dynamic-sampling: waves after the first, at most, per step"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "ds_oversampling": ("dynamic_sampling", bool, "--dynamic-sampling"),
+        "ds_max_refills": ("dynamic_sampling", bool, "--dynamic-sampling")}
 
     def check(self, args):
         check_rules(self, [

@@ -7,9 +7,10 @@ of it, train_rm.py the set-up; the algorithm itself stays in each script.
 import math
 import os
 import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 import torch
 import tyro
@@ -43,13 +44,17 @@ class DataArgs:
     answer_column: str | None = "answer"
     """dataset column holding the reference answer (none: reward functions get no answer)"""
     eval_dataset: str | None = None
-    """held-out prompts; default: the built-in task's eval split, or a hub id's 'test' split"""
+    """--eval-every > 0: held-out prompts; default: the built-in task's eval split, or a hub id's 'test'
+    split"""
     eval_every: int = 100
     """evaluate the held-out reward every this many steps (0: never)"""
     eval_prompts: int = 256
-    """at most this many held-out prompts per evaluation"""
+    """--eval-every > 0: at most this many held-out prompts per evaluation"""
     max_prompt_tokens: int = 256
     """longer prompts are skipped and counted"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "eval_dataset": ("eval_every", lambda n: n > 0, "an --eval-every above 0"),
+        "eval_prompts": ("eval_every", lambda n: n > 0, "an --eval-every above 0")}
 
     def check(self):
         check_rules(self, [
@@ -98,9 +103,10 @@ class RunArgs:
     track: bool = False
     """log to wandb (pip install wandb)"""
     wandb_project: str = "rl-trainer"
-    """wandb project name"""
+    """--track: the wandb project's name"""
     timeout_s: float = 300.0
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
+    APPLIES: ClassVar = {"wandb_project": ("track", bool, "--track")}  # (utils.errors.check_applies)
 
     def check(self):
         check_rules(self, [
@@ -109,16 +115,35 @@ class RunArgs:
             ("resume", self.resume in ("restart", "auto", "none") or checkpoint.is_complete(self.resume),
              "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that "
              "path)"),
-            ("run_dir", not os.path.isfile(self.run_dir), "a directory (this is a file)"),
             ("save_hf_every", self.save_hf_every >= 0, "0 (off) or a number of steps"),
             ("max_skipped_steps", self.max_skipped_steps >= 0, "0 or more"),
             ("timeout_s", 0 < self.timeout_s < math.inf, "a positive number of seconds")])
+        writable_dir(self.run_dir, "--run-dir")
         if self.track:  # on every rank, before the process group: one line, not a broken collective
             try:
                 import wandb  # noqa: F401
             except ImportError:
                 raise UserError("--track logs to wandb, which is not installed: pip install wandb (or drop "
                                 "--track)") from None
+
+
+def writable_dir(path: str, flag: str):
+    """A directory this process can create (or write into), tried before any model loads: a
+    temporary directory made and removed again in the nearest folder that exists, so that nothing
+    is left behind by a run that refuses to start."""
+    if os.path.isfile(path):
+        raise UserError(f"{flag} {path}: use a directory (this is a file)")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    why = f"{parent} is a file" if not os.path.isdir(parent) else None
+    try:
+        if why is None:
+            os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError as e:
+        why = f"{e.strerror} in {parent}"
+    if why:
+        raise UserError(f"{flag} {path}: cannot be created or written ({why}); pass a directory you can write")
 
 
 def parse(flags_class, check_args):

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -38,8 +38,8 @@ from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, r
                  step_metrics)
 from utils import algos, dist, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
-from utils.engines import SamplingParams, make_engine
-from utils.errors import UserError, check_rules
+from utils.engines import SamplingParams, check_engine, make_engine
+from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.mismatch import Correction, MismatchArgs
 from utils.model import read_config
@@ -89,9 +89,9 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     clip_low: float = 0.2
-    """PPO ratio clip below: 1 - clip_low"""
+    """ppo, dual_clip, cispo: the ratio clip below, 1 - clip_low"""
     clip_high: float = 0.28
-    """PPO ratio clip above: 1 + clip_high (DAPO's clip-higher)"""
+    """ppo, dual_clip, cispo: the ratio clip above, 1 + clip_high (DAPO's clip-higher)"""
     policy_loss: Literal["ppo", "dual_clip", "gspo", "cispo"] = "ppo"
     """ppo: the clipped surrogate per token; dual_clip: with a lower bound --dual-clip-c * A for negative
     advantages; gspo: the ratio of the whole sequence (geometric mean), clipped by --gspo-clip-*; cispo:
@@ -105,7 +105,7 @@ class Args:
     kl_coef: float = 0.0
     """KL penalty to the reference policy (0: no reference model is built)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman 2020)"""
+    """--kl-coef > 0: the KL estimator (Schulman 2020)"""
     loss_agg: Literal["token", "sequence", "constant"] = "token"
     """token: every token weighs the same (DAPO); sequence: mean per completion first (GRPO); constant:
     each completion's sum over --max-new-tokens (Dr. GRPO)"""
@@ -125,6 +125,14 @@ class Args:
     layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
     balance: Flat[RebalanceArgs] = field(default_factory=RebalanceArgs)
     run: Flat[RunArgs] = field(default_factory=RunArgs)
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "scale_std": ("advantage", lambda a: a == "grpo", "--advantage grpo"),
+        "clip_low": ("policy_loss", lambda p: p != "gspo", "--policy-loss ppo, dual_clip or cispo"),
+        "clip_high": ("policy_loss", lambda p: p != "gspo", "--policy-loss ppo, dual_clip or cispo"),
+        "dual_clip_c": ("policy_loss", lambda p: p == "dual_clip", "--policy-loss dual_clip"),
+        "gspo_clip_low": ("policy_loss", lambda p: p == "gspo", "--policy-loss gspo"),
+        "gspo_clip_high": ("policy_loss", lambda p: p == "gspo", "--policy-loss gspo"),
+        "kl_estimator": ("kl_coef", lambda c: c > 0, "a --kl-coef above 0")}
 
 
 def check_args(args: Args, world: int):
@@ -164,6 +172,8 @@ def check_args(args: Args, world: int):
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
                         f"trainer rank trains per step: use a divisor of {rows}")
+    check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
+    check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
     args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
     args.reward.check(args.data)
     args.judge.check(args)

@@ -22,7 +22,7 @@ The actor's loss is `loss_fn` below, the critic's in roles/critic.py; the step l
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -37,9 +37,9 @@ from roles.reward_model import RewardModel
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
                  rollout_rank, step_metrics)
 from utils import algos, dist, memory
-from utils.data import Tokenizer, make_batch, micro_batches, per_sample
-from utils.engines import SamplingParams, make_engine
-from utils.errors import UserError, check_rules
+from utils.data import Tokenizer, check_same_tokenizer, make_batch, micro_batches, per_sample
+from utils.engines import SamplingParams, check_engine, make_engine
+from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.model import read_config
 
@@ -73,12 +73,13 @@ class Args:
     kl_coef: float = 0.01
     """per-token KL penalty to the reference policy in the reward (0: no reference model is built)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """per-token KL estimator in the reward (Schulman 2020); k1 = log(pi / ref), as in InstructGPT"""
+    """--kl-coef > 0: the per-token KL estimator in the reward (Schulman 2020); k1 = log(pi / ref), as in
+    InstructGPT"""
     kl_target: float | None = None
     """adaptive KL controller (Ziegler et al. 2019): move kl_coef so that the mean KL per completion
     (summed over tokens) approaches this (none: a fixed kl_coef)"""
     kl_horizon: int = 10000
-    """adaptive KL controller: completions over which the coefficient's error is corrected"""
+    """--kl-target: the adaptive KL controller's horizon, completions over which its error is corrected"""
     lr: float = 3e-4
     """the actor's AdamW learning rate (after warm-up)"""
     critic_lr: float = 1e-3
@@ -115,6 +116,9 @@ class Args:
     """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
     layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
     run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/ppo"))
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "kl_estimator": ("kl_coef", lambda c: c > 0, "a --kl-coef above 0"),
+        "kl_horizon": ("kl_target", lambda t: t is not None, "a --kl-target")}
 
 
 def check_args(args: Args, world: int):
@@ -157,9 +161,13 @@ def check_args(args: Args, world: int):
     if rows % args.minibatches:
         raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
                         f"trainer rank trains per step: use a divisor of {rows}")
+    check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
+    check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
     args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
     if args.critic_model:
         args.critic_model = checked_model(args.critic_model, "--critic-model", tokenizer=False)
+        check_same_tokenizer(args.critic_model, "--critic-model", args.data.model, "the critic values the "
+                             "policy's token ids: start it from a checkpoint with the policy's tokenizer")
     args.reward.check(args.data)
 
 

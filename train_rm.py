@@ -11,20 +11,20 @@ result, in --out, is what the reward-model role of train_grpo.py and train_ppo.p
 (`--rewards rm --reward-model DIR`); it shares --model's tokenizer.
 """
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from roles.actor import lr_factor
-from run import checked_model, parse
+from run import checked_model, parse, writable_dir
 from utils import dist
 from utils.algos import bradley_terry_loss
 from utils.data import BUILTIN, Tokenizer, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
-from utils.errors import UserError, check_rules
+from utils.errors import UserError, check_applies, check_rules
 from utils.model import save_model, sequence_scores
 
 
@@ -47,7 +47,8 @@ class Args:
     """held-out pairs (same columns; a hub id's 'test' split); default: the built-in task's eval
     split, else --eval-fraction of --dataset"""
     eval_fraction: float = 0.05
-    """without --eval-dataset, this share of a dataset's pairs is held out (the built-in task has its own)"""
+    """own --dataset: this share of its pairs is held out, unless --eval-dataset is given (the built-in
+    task has its own held-out split)"""
     eval_every: int = 50
     """held-out pair accuracy every this many steps (and at the start and the end; 0: start and end only)"""
     eval_pairs: int = 512
@@ -73,12 +74,17 @@ class Args:
     """the trained reward model goes here (HF format, loads as AutoModelForSequenceClassification)"""
     timeout_s: float = 300.0
     """a collective waiting longer than this fails (a dead rank must not hang the job)"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "eval_fraction": ("dataset", lambda d: d != BUILTIN, "a --dataset of your own (the built-in task has "
+                          "its own held-out split)")}
 
 
 def check_args(args: Args, world: int):
     """Every flag's range, before any process group or model load, with what to change."""
     check_rules(args, [  # (flag, holds, what to use instead)
         ("eval_fraction", 0 <= args.eval_fraction < 1, "a share in [0, 1)"),
+        ("eval_fraction", args.eval_fraction == 0.05 or args.eval_dataset is None,
+         "no share: --eval-dataset is held out instead (drop one of the two)"),
         ("eval_every", args.eval_every >= 0, "0 (start and end only) or a number of steps"),
         ("eval_pairs", args.eval_pairs >= 1, "1 or more"),
         ("steps", args.steps >= 1, "1 or more"),
@@ -89,8 +95,9 @@ def check_args(args: Args, world: int):
         ("max_grad_norm", args.max_grad_norm > 0, "a positive norm"),
         ("max_tokens", args.max_tokens >= 2, "2 or more"),
         ("log_every", args.log_every >= 1, "1 or more"),
-        ("out", not os.path.isfile(args.out), "a directory (this is a file)"),
         ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds")])
+    check_applies(args)
+    writable_dir(args.out, "--out")
     args.model = checked_model(args.model)  # a hub id (ORG/NAME) becomes its snapshot (computed at runtime)
 
 

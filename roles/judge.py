@@ -24,6 +24,7 @@ import signal
 import string
 import threading
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -49,17 +50,23 @@ class JudgeArgs:
     """a generative judge, any HF causal checkpoint (assets/judge-tiny for the built-in task): the `judge`
     term of --rewards, +1 for each verdict yes and -1 for no, averaged over --judge-samples"""
     judge_template: str | None = None
-    """the judge's prompt, a str.format (or jinja) string or a file holding one, with the fields prompt,
-    completion and any dataset column (default: roles.judge.DEFAULT_TEMPLATE, ending in 'Verification: Is
-    the answer correct (Yes/No)?')"""
+    """--judge-model: the judge's prompt, a str.format (or jinja) string or a file holding one, with the
+    fields prompt, completion and any dataset column (default: roles.judge.DEFAULT_TEMPLATE, ending in
+    'Verification: Is the answer correct (Yes/No)?')"""
     judge_samples: int = 4
-    """verdicts sampled per completion and averaged (G-Core's script: 8)"""
+    """--judge-model: verdicts sampled per completion and averaged (G-Core's script: 8)"""
     judge_temperature: float = 0.7
-    """the judge's sampling temperature (G-Core's: 0.7)"""
+    """--judge-model: the judge's sampling temperature (G-Core's: 0.7)"""
     judge_max_new_tokens: int = 4
-    """the length limit of a verdict"""
+    """--judge-model: the length limit of a verdict"""
     judge_chunk: int = 2
     """partial: prompts per chunk that a sampler streams to its judge as soon as they are generated"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "judge_template": ("judge_model", bool, "a --judge-model"),
+        "judge_samples": ("judge_model", bool, "a --judge-model"),
+        "judge_temperature": ("judge_model", bool, "a --judge-model"),
+        "judge_max_new_tokens": ("judge_model", bool, "a --judge-model"),
+        "judge_chunk": ("placement", lambda p: p == "partial", "--placement partial")}
 
     def check(self, args):
         """The flags, then (a hub id becomes its snapshot) the checkpoint and the template."""
@@ -88,12 +95,17 @@ def metrics(total: dict, peak: dict) -> dict:
 def read_template(value: str | None) -> str:
     """--judge-template: None -> DEFAULT_TEMPLATE; the path of a file -> its text; else the
     template itself. A str.format template, or jinja2 when it holds '{{' or '{%' (so a str.format
-    template cannot hold an escaped brace: write that one in jinja2)."""
+    template cannot hold an escaped brace: write that one in jinja2). A value that reads no field
+    and looks like a path (one word with a '/' or a file suffix) is a file that is not there, not
+    a template: every judge prompt would be that path."""
     if value is None:
         return DEFAULT_TEMPLATE
     if os.path.isfile(value):
         with open(value) as f:
             return f.read()
+    if "{" not in value and re.fullmatch(r"\S*(/\S*|\.\w{1,6})", value):
+        raise UserError(f"--judge-template {value}: no such file (a template would read {{completion}}); "
+                        f"pass the path of a template file, or the template itself")
     return value
 
 
@@ -123,10 +135,14 @@ def check_template(template: str, columns) -> None:
     """Fails, naming the field, when the template reads a field that is neither prompt, completion
     nor one of `columns` (the dataset's columns: answer, ...). Run once, before the first step."""
     known = {"prompt", "completion", *columns}
-    for name in sorted(_fields(template)):
+    fields = _fields(template)
+    for name in sorted(fields):
         if name not in known:
             raise UserError(f"--judge-template reads {{{name}}}, which is no field: the fields are "
                             f"{sorted(known)}; use one of them")
+    if "completion" not in fields:
+        raise UserError("--judge-template never reads {completion}, so the judge would not see what it "
+                        "judges: put {completion} (jinja2: {{ completion }}) where the answer goes")
 
 
 def render(template: str, prompt, completion: str, row: dict) -> str:

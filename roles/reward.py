@@ -22,6 +22,7 @@ import math
 import re
 import signal
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -119,9 +120,12 @@ class RewardArgs:
     reward_timeout_s: float = 60.0
     """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
     code_timeout_s: float = 5.0
-    """the code reward's wall-clock limit per completion (sandboxed process)"""
+    """--rewards code: the code reward's wall-clock limit per completion (sandboxed process)"""
     code_memory_mb: int = 512
-    """the code reward's memory limit per completion"""
+    """--rewards code: the code reward's memory limit per completion"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "code_timeout_s": ("rewards", lambda terms: "code" in terms, "the `code` term of --rewards"),
+        "code_memory_mb": ("rewards", lambda terms: "code" in terms, "the `code` term of --rewards")}
 
     def check(self, data):
         """The flags, then (a hub id becomes its snapshot) the reward model's checkpoint."""
@@ -148,9 +152,11 @@ class OverlongArgs:
     """DAPO's soft overlong penalty: the reward falls linearly by up to --overlong-penalty over the last
     this many tokens before --max-new-tokens (0: off)"""
     overlong_penalty: float = 1.0
-    """DAPO's soft overlong penalty: the reward lost by a completion that reaches --max-new-tokens"""
+    """--overlong-buffer > 0: the reward lost by a completion that reaches --max-new-tokens (DAPO's soft
+    overlong penalty)"""
     mask_truncated: bool = False
     """completions cut off at --max-new-tokens leave the loss (DAPO's overlong filtering)"""
+    APPLIES: ClassVar = {"overlong_penalty": ("overlong_buffer", lambda n: n > 0, "an --overlong-buffer above 0")}
 
     def check(self, max_new_tokens: int):
         check_rules(self, [
@@ -288,6 +294,9 @@ def _call(name, fn, prompts, completions, columns, timeout_s, failures: dict):
     finally:
         if timeout_s:
             signal.setitimer(signal.ITIMER_REAL, 0)
+    if not hasattr(out, "__len__") or isinstance(out, str):
+        raise UserError(f"reward function {name!r} returned {out!r}: it must return one float per completion, "
+                        f"a list of {len(completions)} here (is its `return` missing?)")
     if len(out) != len(completions):
         raise UserError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} "
                         "completions; it must return one float per completion")

@@ -5,11 +5,10 @@ other roles, frozen. It scores each whole sequence at its last non-pad token, as
 does. `train_rm.py` trains one on preference pairs.
 
 It reads the token ids the policy generated, so it must share the policy's tokenizer."""
-import os
 
 import torch
 
-from utils.data import micro_batches
+from utils.data import check_same_tokenizer, micro_batches
 from utils.dist import load_sharded
 from utils.errors import UserError
 from utils.model import read_config, sequence_scores
@@ -29,10 +28,8 @@ def check(path: str, policy: str):
     if cfg.pad_token_id is None:
         raise UserError(f"--reward-model {path}: config.json has no pad_token_id (a sequence-classification "
                         "model scores the last non-pad token): add the tokenizer's pad id to it")
-    mine, theirs = os.path.join(path, "tokenizer.json"), os.path.join(policy, "tokenizer.json")
-    if not os.path.isfile(mine) or open(mine, "rb").read() != open(theirs, "rb").read():
-        raise UserError(f"--reward-model {path} has another tokenizer than --model {policy}: it reads the "
-                        "policy's token ids, so train it from the policy's tokenizer (train_rm.py --model)")
+    check_same_tokenizer(path, "--reward-model", policy, "it reads the policy's token ids, so train it from "
+                         "the policy's tokenizer (train_rm.py --model)")
 
 
 class RewardModel:

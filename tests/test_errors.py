@@ -1,20 +1,26 @@
 """A user's mistake ends the run with one `error:` line and no traceback from the workers; a
 failed reward is left out of its group and of the loss."""
+import dataclasses
+import importlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import typing
 from functools import partial
+from typing import Literal
 
 import pytest
 import torch
+import tyro
 from test_fsdp import ROOT
 from test_train_grpo import TINY
 from test_train_ppo import PPO_TINY
 
 from utils import errors
+from utils.data import train_tokenizer
 
 # a frame of our own code in a traceback (torch's own utils/ excluded)
 OUR_FRAME = re.compile(r'File "[^"]*(train_(grpo|ppo|rm)\.py|placement\.py|roles/\w+\.py'
@@ -36,6 +42,12 @@ def make_inputs(tmp):
     config["architectures"] = ["Qwen2ForSequenceClassification"]
     config["id2label"] = {"0": "LABEL_0"}  # one score: without id2label transformers reads 2 labels
     (tmp / "rm_without_pad" / "config.json").write_text(json.dumps(config))
+    shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "yarn")  # Qwen2.5's model card
+    config = json.loads((tmp / "yarn" / "config.json").read_text())
+    config["rope_scaling"] = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+    (tmp / "yarn" / "config.json").write_text(json.dumps(config))
+    shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "other_tokenizer")
+    train_tokenizer(["another corpus, other merges"] * 10, str(tmp / "other_tokenizer"))
 
 
 CASES = [  # (flags, what the error line must say)
@@ -58,6 +70,12 @@ CASES = [  # (flags, what the error line must say)
     (["--resume", "{tmp}"], "use restart, auto, none or a complete checkpoint"),
     (["--learning-rate", "1e-4"], "the flags do not parse (see above)"),
     (["--run-dir", "{tmp}/bad.jsonl"], "--run-dir"),
+    (["--run-dir", "{tmp}/bad.jsonl/run"], "/run: cannot be created or written ({tmp}/bad.jsonl is a file)"),
+    (["--run-dir", "/sys/rl-run"], "--run-dir /sys/rl-run: cannot be created or written (Operation not "
+     "permitted in /sys); pass a directory you can write"),
+    # a flag that only applies under another one (the whole table: test_a_flag_that_applies_...)
+    (["--mismatch-level", "sequence"], "--mismatch-level sequence: it only applies to --mismatch"),
+    (["--dual-clip-c", "5"], "--dual-clip-c 5.0: it only applies to --policy-loss dual_clip"),
     # combinations that cannot work
     (["--sync-bucket-mb", "8"], "it only applies to --placement disaggregate"),
     (["--max-staleness", "1"], "add --placement disaggregate --rollout-ranks K"),
@@ -78,9 +96,14 @@ CASES = [  # (flags, what the error line must say)
     (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny",
       "--judge-template", "{prompt} {why}"],
      "--judge-template reads {why}, which is no field"),
+    (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny",
+      "--judge-template", "prompts/judge_prompt.txt"],
+     "--judge-template prompts/judge_prompt.txt: no such file"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
+    (["--model", "{tmp}/yarn"], "config.json: rope_scaling asks for rope_type 'yarn', which this trainer does "
+     "not implement"),
     (["--model", "Qwen/Qwen3-0.6B"],
      "--model Qwen/Qwen3-0.6B: no such local directory, and downloading it from the Hugging Face hub "
      "failed (LocalEntryNotFoundError); without the network, pass a local checkpoint"),
@@ -101,6 +124,8 @@ CASES = [  # (flags, what the error line must say)
     (["--rewards", "tests.helpers.rewards:words"],
      "returned ['good', 'good', 'good', 'good']...: it must return"),
     (["--rewards", "tests.helpers.rewards:wrong_length"], "returned 1 scores for 8 completions"),
+    # only rank 1 meets it: rank 0, broken off in the step's collective, stays quiet
+    (["--rewards", "tests.helpers.rewards:wrong_length_on_rank_1"], "(rank 1) reward function"),
     (["--rewards", "tests.helpers.rewards:always_fails", "--max-skipped-steps", "1"],
      "stopping: in 2 steps every reward failed (--max-skipped-steps 1); check --rewards "
      "tests.helpers.rewards:always_fails: tests.helpers.rewards:always_fails: RuntimeError: "
@@ -113,6 +138,9 @@ PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own ch
     (["--lam", "1.5"], "--lam 1.5: use a number in [0, 1]"),
     (["--kl-target", "0.1", "--kl-coef", "0"], "--kl-target 0.1: use it adapts --kl-coef"),
     (["--critic-model", "{tmp}/nothing"], "--critic-model: checkpoint directory"),
+    (["--critic-model", "{tmp}/other_tokenizer"], "other_tokenizer has another tokenizer than --model "
+     "assets/arith-tiny: the critic values the policy's token ids"),
+    (["--kl-horizon", "100"], "--kl-horizon 100: it only applies to a --kl-target"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
     (["--rewards", "judge"], "the generative judge (--judge-model) is train_grpo.py's"),
@@ -123,7 +151,7 @@ CASES = [("train_grpo.py", f, s) for f, s in CASES] + [("train_ppo.py", f, s) fo
 # checked in this process (`check_args` and the model checkpoint, what the scripts run before
 # `dist.init`): the same message, without ~6 s of torchrun each.
 END_TO_END = {"--lr -1", "--learning-rate 1e-4", "--max-staleness 1", "--model {tmp}/truncated",
-              "--value-clip 0"}
+              "--value-clip 0", "--run-dir /sys/rl-run"}
 AFTER_GROUP = ("--dataset", "--rewards nonsense", "--rewards tests.",
                "--rewards accuracy judge --judge-model")
 LAUNCHED = [c for c in CASES if " ".join(c[1]) in END_TO_END or " ".join(c[1]).startswith(AFTER_GROUP)]
@@ -160,15 +188,13 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and says in lines[0], out[-3000:]
     assert not OUR_FRAME.search(out), out[-3000:]  # no traceback from the workers
+    run = tmp_path / "run"  # nothing left behind: no checkpoint, no final model
+    assert not (run / "checkpoints").exists() and not (run / "final").exists(), list(run.iterdir())
 
 
 @pytest.mark.parametrize("script,flags,says", IN_PROCESS, ids=map(case_id, IN_PROCESS))
 def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, says, inputs, tmp_path,
                                                                 monkeypatch):
-    import importlib
-
-    import tyro
-
     from utils.data import Tokenizer
     from utils.model import read_config
 
@@ -234,3 +260,180 @@ def test_nan_rewards_are_failures_not_zeros():
 
 def test_user_error_is_a_value_error():
     assert issubclass(errors.UserError, ValueError)
+
+
+def conditions(script) -> list[tuple[str, str]]:
+    """(flag, the flag it applies under) for every flag of the script whose help begins with its
+    condition: `--flag ...:` or a choice of another flag (`gspo: ...`), read from the Args."""
+    from test_flags import flag_docs
+
+    docs = flag_docs(importlib.import_module(script.removesuffix(".py")).Args)
+    choices = {name: typing.get_args(t) for name, (t, _) in docs.items() if typing.get_origin(t) is Literal}
+    table = []
+    for name, (_, doc) in docs.items():
+        head = doc.split(":")[0]
+        if ":" not in doc or len(head) > 40:
+            continue
+        for word in re.split(r"[ ,]+", head):
+            if word in choices.get(name, ()):
+                continue  # the flag's own choices, described in its help
+            parents = [p for p, c in choices.items() if word in c]
+            if word.startswith("--") and word[2:].replace("-", "_") in docs:
+                parents = [word[2:].replace("-", "_")]
+            if parents:
+                table.append((name, parents[0]))
+                break
+    return table
+
+
+def another_value(value, kind):
+    """A value of the flag's type other than its default, in a range its own check accepts."""
+    if typing.get_origin(kind) is Literal:
+        return next(c for c in typing.get_args(kind) if c != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 if value else 1
+    if value is None:
+        return "{prompt} {completion}" if "None" in str(kind) else None
+    return value + "-other"
+
+
+TABLE = [(script, *c) for script in ("train_grpo.py", "train_ppo.py", "train_rm.py") for c in conditions(script)]
+
+
+def test_the_table_of_flags_that_apply_under_another_is_read_from_their_help():
+    grpo = {flag: parent for script, flag, parent in TABLE if script == "train_grpo.py"}
+    assert grpo["mismatch_level"] == "mismatch" and grpo["dual_clip_c"] == "policy_loss"
+    assert grpo["sync_bucket_mb"] == "placement" and grpo["judge_samples"] == "judge_model"
+    assert "loss_agg" not in grpo and "lr" not in grpo  # a flag's own choices are no condition
+    assert len(TABLE) >= 30, TABLE
+
+
+@pytest.mark.parametrize("script,name,parent", TABLE, ids=[f"{s[6:9]} {n}" for s, n, _ in TABLE])
+def test_a_flag_that_applies_under_another_is_refused_without_it(script, name, parent, monkeypatch):
+    """Set away from its default while the flag it needs is off (its default, or else another value
+    of its type), the flag is refused in one message naming it, before the process group."""
+    from test_flags import flag_docs
+
+    from utils.errors import default_of, flags_of
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    train = importlib.import_module(script.removesuffix(".py"))
+    kinds = {n: t for n, (t, _) in flag_docs(train.Args).items()}
+    said, keep = [], object()
+    for off in [keep, *(typing.get_args(kinds[parent]) if typing.get_origin(kinds[parent]) is Literal else
+                        (0, False, None))]:
+        args = train.Args()
+        owners = flags_of(args)
+        setattr(owners[name], name, another_value(default_of(owners[name], name), kinds[name]))
+        if off is not keep:
+            setattr(owners[parent], parent, off)
+        try:
+            train.check_args(args, 2)
+        except errors.UserError as e:
+            said.append(str(e))
+            if errors.flag(name) in str(e):
+                return
+    pytest.fail(f"{errors.flag(name)} off its condition ({errors.flag(parent)}) was not refused: {said}")
+
+
+def test_mismatch_level_without_mismatch_says_what_to_add():
+    from train_grpo import Args, check_args
+
+    with pytest.raises(errors.UserError) as e:
+        check_args(tyro.cli(Args, args=["--mismatch-level", "sequence"]), 2)
+    assert str(e.value) == ("--mismatch-level sequence: it only applies to --mismatch tis, mis or icepop (add "
+                            "that, or drop --mismatch-level)")
+
+
+def test_a_path_that_is_not_there_is_not_taken_for_a_template():
+    """--judge-template: a missing file is refused (it used to become every judge prompt); so is a
+    template, from a file or not, that never shows the judge the completion."""
+    from roles.judge import check_template, read_template
+
+    for missing in ("prompts/judge_prompt.txt", "judge.jinja", "./templates/judge"):
+        with pytest.raises(errors.UserError, match=f"--judge-template {re.escape(missing)}: no such file"):
+            read_template(missing)
+    assert read_template("Is {completion} right?") == "Is {completion} right?"
+    with pytest.raises(errors.UserError, match=r"never reads \{completion\}"):
+        check_template("Is {prompt} answered?", [])
+
+
+MATH_KEYS = [  # (config.json keys this decoder does not implement, what the error names)
+    ({"rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}},
+     "rope_scaling asks for rope_type 'yarn'"),  # beside rope_parameters: Qwen2.5's model card
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+     "rope_parameters asks for rope_type 'linear'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling asks for rope_type 'dynamic'"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window = True"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types has 1 'sliding_attention'"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
+    ({"logits_scaling": 8.0}, "logits_scaling = 8.0"),
+    ({"embedding_multiplier": 12.0}, "embedding_multiplier = 12.0"),
+    ({"residual_multiplier": 0.22}, "residual_multiplier = 0.22"),
+    ({"attention_multiplier": 0.0078}, "attention_multiplier = 0.0078"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act = 'gelu_pytorch_tanh'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+    ({"mlp_bias": True}, "mlp_bias = True"),
+    ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
+    ({"some_future_scaling": 2.0}, "some_future_scaling = 2.0"),
+]
+
+
+@pytest.mark.parametrize("keys,says", MATH_KEYS, ids=[next(iter(k)) + str(i) for i, (k, _) in enumerate(MATH_KEYS)])
+def test_a_config_key_that_changes_the_math_is_implemented_or_refused(keys, says):
+    from utils.model import ModelConfig
+
+    config = json.loads(open(os.path.join(ROOT, "assets/arith-tiny/config.json")).read())
+    ModelConfig.from_hf(config)  # the shipped model reads
+    with pytest.raises(errors.UserError, match=re.escape(says)):
+        ModelConfig.from_hf({**config, **keys})
+
+
+def test_the_export_writes_back_every_key_it_read():
+    """A Qwen2.5-style config with every math key at its neutral value, and Llama 3.2's llama3 RoPE
+    in the older spelling: each key comes back in the exported config.json with its value."""
+    from utils.model import ModelConfig
+
+    config = json.loads(open(os.path.join(ROOT, "assets/arith-tiny/config.json")).read())
+    qwen25 = {**config, "rope_scaling": None, "sliding_window": 131072, "use_sliding_window": False,
+              "max_window_layers": 21, "attention_dropout": 0.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+              "layer_types": ["full_attention"] * config["num_hidden_layers"], "use_cache": True}
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    llama = {**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+             "mlp_bias": False, "rope_theta": 500000.0, "rope_scaling": llama3, "pretraining_tp": 1}
+    llama.pop("rope_parameters", None)
+    for source in (qwen25, llama):
+        out = ModelConfig.from_hf(source).to_hf()
+        assert set(source) <= set(out), set(source) - set(out)
+        for key, value in source.items():
+            if key not in ("rope_parameters", "rope_scaling") or value is None:
+                assert out[key] == value, key
+        again, first = ModelConfig.from_hf(out), ModelConfig.from_hf(source)
+        assert dataclasses.replace(again, extra={}) == dataclasses.replace(first, extra={})  # the same model
+
+
+def test_a_reward_function_that_returns_nothing_is_named():
+    from roles.reward import Reward
+
+    with pytest.raises(errors.UserError) as e:
+        Reward(["tests.helpers.rewards:forgets_return"]).score(["p"] * 2, ["a", "b"], {})
+    assert str(e.value) == ("reward function 'tests.helpers.rewards:forgets_return' returned None: it must "
+                            "return one float per completion, a list of 2 here (is its `return` missing?)")
+
+
+def test_a_missing_vllm_is_one_line_on_every_rank_before_the_process_group(monkeypatch):
+    """--engine vllm without vLLM: said by check_args, which every rank runs before the group (it
+    used to be said by the rollout rank while its trainers broke off in the transfer's set-up)."""
+    import importlib.util
+
+    from train_grpo import Args, check_args
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    args = tyro.cli(Args, args=[*TINY, "--engine", "vllm", "--placement", "disaggregate", "--rollout-ranks", "1"])
+    with pytest.raises(errors.UserError, match="--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu"):
+        check_args(args, 3)

@@ -32,6 +32,18 @@ def read_json(file: str):
                             f"column {e.colno}") from None
 
 
+def check_same_tokenizer(path: str, flag: str, policy: str, why: str):
+    """A model that reads the policy's token ids (the critic, a reward model) must share its
+    vocabulary, token for id; else one error naming both directories and `why` it must."""
+    try:
+        mine = Tokenizer(path).tok.get_vocab(with_added_tokens=True)
+    except FileNotFoundError:
+        mine = None
+    if mine != Tokenizer(policy).tok.get_vocab(with_added_tokens=True):
+        has = "no tokenizer.json, not the tokenizer of" if mine is None else "another tokenizer than"
+        raise UserError(f"{flag} {path} has {has} --model {policy}: {why}")
+
+
 class Tokenizer:
     """tokenizer.json via the `tokenizers` library, plus tokenizer_config.json's special
     tokens and chat template (rendered with jinja2, as transformers does)."""

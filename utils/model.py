@@ -29,6 +29,13 @@ SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaFor
              "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
              "LlamaForSequenceClassification": "llama"}
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# config.json keys that change the math and that this decoder does not implement, with the value
+# under which they change nothing (transformers' default); any other `*_scaling`, `*_multiplier` or
+# `*softcapping` key is refused the same way unless it is null
+NEUTRAL = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False, "partial_rotary_factor": 1.0,
+           "attention_dropout": 0.0, "hidden_dropout": 0.0, "attn_logit_softcapping": None,
+           "final_logit_softcapping": None, "logits_scaling": 1.0, "embedding_multiplier": 1.0,
+           "residual_multiplier": 1.0, "attention_multiplier": None, "use_qk_norm": False}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
 
@@ -64,21 +71,8 @@ class ModelConfig:
             raise UserError(
                 f"unsupported architecture {arch or d.get('model_type')!r} in config.json; "
                 f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Qwen3 / Llama)")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        llama3 = None
-        if rope_type == "llama3":
-            missing = [k for k in LLAMA3_ROPE if k not in rope]
-            if missing:
-                raise UserError(f"config.json: rope_type 'llama3' without {missing} in rope_parameters")
-            llama3 = {k: rope[k] for k in LLAMA3_ROPE}
-        elif rope_type != "default":
-            raise UserError(f"config.json: rope_type {rope_type!r} (in rope_parameters / rope_scaling) is "
-                            "not supported; supported: default (plain RoPE with a theta) and llama3")
-        if d.get("use_sliding_window"):
-            raise UserError("sliding-window attention is not supported; set use_sliding_window false")
-        if d.get("mlp_bias"):
-            raise UserError("mlp_bias=True is not supported")
+        rope, llama3 = read_rope(d)
+        check_math_keys(d)
         heads = d["num_attention_heads"]
         num_labels = 1  # a causal model: unused
         if d.get("id2label"):
@@ -86,8 +80,7 @@ class ModelConfig:
         elif arch.endswith("ForSequenceClassification"):
             # transformers leaves id2label out of config.json for its default, 2 labels
             num_labels = d.get("num_labels") or 2
-        known = {f for f in cls.__dataclass_fields__} | {"architectures", "rope_parameters", "model_type",
-                                                       "rope_scaling"}
+        written = {f for f in cls.__dataclass_fields__} | {"architectures", "model_type"}  # by to_hf
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -107,7 +100,7 @@ class ModelConfig:
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             num_labels=num_labels,
-            extra={k: v for k, v in d.items() if k not in known},
+            extra={k: v for k, v in d.items() if k not in written},
         )
 
     @property
@@ -174,6 +167,51 @@ class ModelConfig:
         head = self.hidden_size * self.num_labels if self.scores else 0
         body = self.num_hidden_layers * self.layer_params() + self.hidden_size + head
         return body + (emb if embeddings else 0)
+
+
+def read_rope(d: dict) -> tuple[dict, dict | None]:
+    """(the RoPE parameters, Llama 3.x's scaling or None) from config.json, whichever of its
+    spellings it uses: `rope_parameters` (transformers 5) and `rope_scaling` (older; either may sit
+    beside the other, as in Qwen2.5's model cards with YaRN added), `rope_type` or `type`. A
+    scaling other than llama3 is refused, naming the key that asks for it."""
+    kinds = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = d.get(key) or {}
+        kinds[key] = rope.get("rope_type", rope.get("type", "default"))
+        if kinds[key] not in ("default", "llama3"):
+            raise UserError(f"config.json: {key} asks for rope_type {kinds[key]!r}, which this trainer does not "
+                            "implement (supported: default, plain RoPE with a theta, and llama3); remove it "
+                            "to train with plain RoPE, or use a checkpoint without it")
+    if len(set(kinds.values())) > 1 and all(d.get(k) for k in kinds):
+        raise UserError(f"config.json: rope_parameters ({kinds['rope_parameters']}) and rope_scaling "
+                        f"({kinds['rope_scaling']}) disagree; keep one")
+    key = "rope_parameters" if kinds["rope_parameters"] == "llama3" or not d.get("rope_scaling") else "rope_scaling"
+    rope = d.get(key) or d.get("rope_parameters") or {}
+    if kinds[key] != "llama3":
+        return rope, None
+    missing = [k for k in LLAMA3_ROPE if k not in rope]
+    if missing:
+        raise UserError(f"config.json: rope_type 'llama3' without {missing} in {key}")
+    return rope, {k: rope[k] for k in LLAMA3_ROPE}
+
+
+def check_math_keys(d: dict):
+    """Refuses a config.json key that changes the math and is not implemented here (NEUTRAL; a
+    sliding window in `layer_types` too), naming it: training without it would silently be
+    another model than the one transformers or vLLM load from the same directory."""
+    for key, value in d.items():
+        neutral = NEUTRAL.get(key)
+        if key not in NEUTRAL and not key.endswith(("_scaling", "_multiplier", "softcapping")):
+            continue
+        if key in ("rope_scaling",) or value in (neutral, None):
+            continue
+        raise UserError(f"config.json: {key} = {value!r} changes the model's math and is not implemented "
+                        f"here; set it to {neutral!r} (or remove it) if the checkpoint was trained that way, "
+                        f"else use another checkpoint")
+    windows = [t for t in d.get("layer_types") or [] if t != "full_attention"]
+    if windows:
+        raise UserError(f"config.json: layer_types has {len(windows)} {windows[0]!r} layers; sliding-window "
+                        "attention is not implemented here (every layer must be full_attention)")
 
 
 def rope_frequencies(head_dim: int, theta: float, llama3: dict | None = None) -> torch.Tensor:

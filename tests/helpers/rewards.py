@@ -48,3 +48,14 @@ def words(prompts, completions, **columns):
 def constant(prompts, completions, **columns):
     """The same reward for every sample: no group carries a signal."""
     return [0.5] * len(completions)
+
+
+def wrong_length_on_rank_1(prompts, completions, **columns):
+    """A mistake only rank 1 meets, while rank 0 goes on into the step's collectives."""
+    import os
+    return [0.0] if os.environ.get("RANK") == "1" else [1.0] * len(completions)
+
+
+def forgets_return(prompts, completions, **columns):
+    """Computes its scores and never returns them: None."""
+    [float(len(c)) for c in completions]
