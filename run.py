@@ -143,7 +143,8 @@ def writable_dir(path: str, flag: str):
     except OSError as e:
         why = f"{e.strerror} in {parent}"
     if why:
-        raise UserError(f"{flag} {path}: cannot be created or written ({why}); pass a directory you can write")
+        raise UserError(f"{flag} {path}: cannot be created or written ({why}); pass a directory you can "
+                        f"write")
 
 
 def parse(flags_class, check_args):

@@ -20,9 +20,7 @@ import math
 import os
 import random
 import re
-import signal
 import string
-import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,6 +30,7 @@ from utils.data import Tokenizer, dataset_columns, per_sample
 from utils.engines import SamplingParams, make_engine
 from utils import model
 from utils.errors import UserError, check_rules
+from utils.sandbox import TimeLimit, time_limit
 
 MARKER = "Is the answer correct (Yes/No)?"
 # what assets/judge-tiny was trained on (utils.tiny.judge_checkpoint); a completion comes after
@@ -62,10 +61,8 @@ class JudgeArgs:
     judge_chunk: int = 2
     """partial: prompts per chunk that a sampler streams to its judge as soon as they are generated"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
-        "judge_template": ("judge_model", bool, "a --judge-model"),
-        "judge_samples": ("judge_model", bool, "a --judge-model"),
-        "judge_temperature": ("judge_model", bool, "a --judge-model"),
-        "judge_max_new_tokens": ("judge_model", bool, "a --judge-model"),
+        **dict.fromkeys(["judge_template", "judge_samples", "judge_temperature", "judge_max_new_tokens"],
+                        ("judge_model", bool, "a --judge-model")),
         "judge_chunk": ("placement", lambda p: p == "partial", "--placement partial")}
 
     def check(self, args):
@@ -186,14 +183,6 @@ def parse_verdict(text: str) -> float | None:
     return 1.0 if found.group(1).lower() == "yes" else -1.0
 
 
-class JudgeTimeout(BaseException):
-    """Not an Exception: nothing on the way (an engine's `except Exception`) swallows it."""
-
-
-def _alarm(*_):
-    raise JudgeTimeout()
-
-
 class Judge:
     def __init__(self, engine, tokenizer, weights: dict, template: str, samples: int, temperature: float,
                  max_new_tokens: int, timeout_s: float, max_len: int = 2048):
@@ -233,26 +222,15 @@ class Judge:
             return torch.zeros(0), 0
         rows = [{name: values[i] for name, values in columns.items()} for i in range(N)]
         ids = [self.encode(render(self.template, p, c, r)) for p, c, r in zip(prompts, completions, rows)]
-        # SIGALRM interrupts Python code only in the main thread: elsewhere no time limit
-        timed = bool(self.timeout_s) and threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGALRM, _alarm) if timed else None
         try:
-            try:  # the alarm is set and cleared inside: one that fires at any point here is caught below
-                if timed:
-                    signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+            with time_limit(self.timeout_s):  # in the main thread only (partial's judge thread: none)
                 texts = self.engine.generate(ids, self.params, seeds).texts  # N * k, completion-major
-            finally:
-                if timed:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-        except JudgeTimeout:
+        except TimeLimit:
             self.last_error = f"judging {N} completions ran past --reward-timeout-s={self.timeout_s}"
             return torch.full((N,), float("nan")), 0
         except Exception as e:  # noqa: BLE001 (any engine failure fails this call, not the run)
             self.last_error = f"judge engine failed: {type(e).__name__}: {e}"
             return torch.full((N,), float("nan")), 0
-        finally:
-            if timed:
-                signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
         verdicts = [parse_verdict(t) for t in texts]
         unparsed = verdicts.count(None)
         votes = torch.tensor([0.0 if v is None else v for v in verdicts]).view(N, k)  # [N, k]

@@ -20,7 +20,6 @@ import functools
 import importlib
 import math
 import re
-import signal
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,7 +31,7 @@ from utils import algos
 from utils.model import local_dir
 from utils.data import dataset_columns, make_batch, per_sample
 from utils.errors import UserError, check_rules
-from utils.sandbox import check_sandbox, run_sandboxed
+from utils.sandbox import TimeLimit, check_sandbox, run_sandboxed, time_limit
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -156,7 +155,7 @@ class OverlongArgs:
     overlong penalty)"""
     mask_truncated: bool = False
     """completions cut off at --max-new-tokens leave the loss (DAPO's overlong filtering)"""
-    APPLIES: ClassVar = {"overlong_penalty": ("overlong_buffer", lambda n: n > 0, "an --overlong-buffer above 0")}
+    APPLIES: ClassVar = {"overlong_penalty": ("overlong_buffer", lambda n: n > 0, "an --overlong-buffer > 0")}
 
     def check(self, max_new_tokens: int):
         check_rules(self, [
@@ -257,46 +256,33 @@ class Reward:
         return "; ".join(seen) or "no exception: they timed out or returned NaN/inf"
 
 
-class RewardTimeout(BaseException):
-    """Not an Exception: a user function's `except Exception` cannot swallow it."""
-
-
-def _alarm(*_):
-    raise RewardTimeout()
-
-
 def _call(name, fn, prompts, completions, columns, timeout_s, failures: dict):
     """fn's scores, and which samples failed (a failed one scores 0.0 here); what a failed
     sample raised goes to `failures[name]`."""
-    if timeout_s:  # a Python function can't be killed, but it can be interrupted
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        try:
-            out = fn(prompts, completions, **columns)
-        except Exception:  # isolate the failing samples: one bad sample must not zero the batch
-            out, failed = [], []
-            for i in range(len(completions)):
-                try:
-                    one = {k: c[i:i + 1] for k, c in columns.items()}
-                    [v] = fn(prompts[i:i + 1], completions[i:i + 1], **one)
-                    if not math.isfinite(float(v)):
-                        raise ValueError("non-finite score")
-                    out.append(float(v))
-                    failed.append(False)
-                except Exception as e:
-                    out.append(0.0)
-                    failed.append(True)
-                    failures[name] = f"{type(e).__name__}: {e}"
-            return out, failed
-    except RewardTimeout:
+        with time_limit(timeout_s):
+            try:
+                out = fn(prompts, completions, **columns)
+            except Exception:  # isolate the failing samples: one bad sample must not zero the batch
+                out, failed = [], []
+                for i in range(len(completions)):
+                    try:
+                        one = {k: c[i:i + 1] for k, c in columns.items()}
+                        [v] = fn(prompts[i:i + 1], completions[i:i + 1], **one)
+                        if not math.isfinite(float(v)):
+                            raise ValueError("non-finite score")
+                        out.append(float(v))
+                        failed.append(False)
+                    except Exception as e:
+                        out.append(0.0)
+                        failed.append(True)
+                        failures[name] = f"{type(e).__name__}: {e}"
+                return out, failed
+    except TimeLimit:
         return [0.0] * len(completions), [True] * len(completions)
-    finally:
-        if timeout_s:
-            signal.setitimer(signal.ITIMER_REAL, 0)
     if not hasattr(out, "__len__") or isinstance(out, str):
-        raise UserError(f"reward function {name!r} returned {out!r}: it must return one float per completion, "
-                        f"a list of {len(completions)} here (is its `return` missing?)")
+        raise UserError(f"reward function {name!r} returned {out!r}: it must return one float per "
+                        f"completion, a list of {len(completions)} here (is its `return` missing?)")
     if len(out) != len(completions):
         raise UserError(f"reward function {name!r} returned {len(out)} scores for {len(completions)} "
                         "completions; it must return one float per completion")

@@ -102,8 +102,8 @@ CASES = [  # (flags, what the error line must say)
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
-    (["--model", "{tmp}/yarn"], "config.json: rope_scaling asks for rope_type 'yarn', which this trainer does "
-     "not implement"),
+    (["--model", "{tmp}/yarn"], "config.json: rope_scaling asks for rope_type 'yarn', which this trainer "
+     "does not implement"),
     (["--model", "Qwen/Qwen3-0.6B"],
      "--model Qwen/Qwen3-0.6B: no such local directory, and downloading it from the Hugging Face hub "
      "failed (LocalEntryNotFoundError); without the network, pass a local checkpoint"),
@@ -299,7 +299,7 @@ def another_value(value, kind):
     return value + "-other"
 
 
-TABLE = [(script, *c) for script in ("train_grpo.py", "train_ppo.py", "train_rm.py") for c in conditions(script)]
+TABLE = [(s, *c) for s in ("train_grpo.py", "train_ppo.py", "train_rm.py") for c in conditions(s)]
 
 
 def test_the_table_of_flags_that_apply_under_another_is_read_from_their_help():
@@ -343,8 +343,8 @@ def test_mismatch_level_without_mismatch_says_what_to_add():
 
     with pytest.raises(errors.UserError) as e:
         check_args(tyro.cli(Args, args=["--mismatch-level", "sequence"]), 2)
-    assert str(e.value) == ("--mismatch-level sequence: it only applies to --mismatch tis, mis or icepop (add "
-                            "that, or drop --mismatch-level)")
+    assert str(e.value) == ("--mismatch-level sequence: it only applies to --mismatch tis, mis or icepop "
+                            "(add that, or drop --mismatch-level)")
 
 
 def test_a_path_that_is_not_there_is_not_taken_for_a_template():
@@ -382,7 +382,7 @@ MATH_KEYS = [  # (config.json keys this decoder does not implement, what the err
 ]
 
 
-@pytest.mark.parametrize("keys,says", MATH_KEYS, ids=[next(iter(k)) + str(i) for i, (k, _) in enumerate(MATH_KEYS)])
+@pytest.mark.parametrize("keys,says", MATH_KEYS, ids=[next(iter(k)) for k, _ in MATH_KEYS])
 def test_a_config_key_that_changes_the_math_is_implemented_or_refused(keys, says):
     from utils.model import ModelConfig
 
@@ -399,7 +399,8 @@ def test_the_export_writes_back_every_key_it_read():
 
     config = json.loads(open(os.path.join(ROOT, "assets/arith-tiny/config.json")).read())
     qwen25 = {**config, "rope_scaling": None, "sliding_window": 131072, "use_sliding_window": False,
-              "max_window_layers": 21, "attention_dropout": 0.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+              "max_window_layers": 21, "attention_dropout": 0.0, "hidden_act": "silu",
+              "torch_dtype": "bfloat16",
               "layer_types": ["full_attention"] * config["num_hidden_layers"], "use_cache": True}
     llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
@@ -432,8 +433,9 @@ def test_a_missing_vllm_is_one_line_on_every_rank_before_the_process_group(monke
 
     from train_grpo import Args, check_args
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
-    args = tyro.cli(Args, args=[*TINY, "--engine", "vllm", "--placement", "disaggregate", "--rollout-ranks", "1"])
-    with pytest.raises(errors.UserError, match="--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu"):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *_: None if name == "vllm" else real(name))
+    args = tyro.cli(Args, args=[*TINY, "--engine", "vllm", "--placement", "disaggregate",
+                                "--rollout-ranks", "1"])
+    with pytest.raises(errors.UserError, match="--engine vllm needs vLLM. GPU: pip install -r requirements-"):
         check_args(args, 3)

@@ -36,8 +36,10 @@ def flag_docs(cls) -> dict[str, tuple[type, str]]:
             fields.update(flag_docs(types[name]))
             continue
         doc = ""
-        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            doc = " ".join(after.value.value.split())
+        is_text = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        text = after.value.value if is_text else None
+        if isinstance(text, str):
+            doc = " ".join(text.split())
         fields[name] = (types[name], doc)
     return fields
 
@@ -107,7 +109,8 @@ def doc_commands() -> list[tuple[str, str, list[str], list[str]]]:
 
 
 DOCS = doc_commands()
-STAND_INS = {"/path/to/Qwen2.5-0.5B-Instruct": "assets/arith-tiny", "/shared/Qwen2.5-1.5B-Instruct": "assets/arith-tiny"}
+STAND_INS = {"/path/to/Qwen2.5-0.5B-Instruct": "assets/arith-tiny",
+             "/shared/Qwen2.5-1.5B-Instruct": "assets/arith-tiny"}
 
 
 def test_the_docs_name_their_commands():

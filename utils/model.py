@@ -179,14 +179,14 @@ def read_rope(d: dict) -> tuple[dict, dict | None]:
         rope = d.get(key) or {}
         kinds[key] = rope.get("rope_type", rope.get("type", "default"))
         if kinds[key] not in ("default", "llama3"):
-            raise UserError(f"config.json: {key} asks for rope_type {kinds[key]!r}, which this trainer does not "
-                            "implement (supported: default, plain RoPE with a theta, and llama3); remove it "
-                            "to train with plain RoPE, or use a checkpoint without it")
+            raise UserError(f"config.json: {key} asks for rope_type {kinds[key]!r}, which this trainer does "
+                            "not implement (supported: default, plain RoPE with a theta, and llama3); remove "
+                            "it to train with plain RoPE, or use a checkpoint without it")
     if len(set(kinds.values())) > 1 and all(d.get(k) for k in kinds):
         raise UserError(f"config.json: rope_parameters ({kinds['rope_parameters']}) and rope_scaling "
                         f"({kinds['rope_scaling']}) disagree; keep one")
-    key = "rope_parameters" if kinds["rope_parameters"] == "llama3" or not d.get("rope_scaling") else "rope_scaling"
-    rope = d.get(key) or d.get("rope_parameters") or {}
+    key = "rope_scaling" if kinds["rope_scaling"] == "llama3" else "rope_parameters"
+    rope = d.get(key) or {}
     if kinds[key] != "llama3":
         return rope, None
     missing = [k for k in LLAMA3_ROPE if k not in rope]

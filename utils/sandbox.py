@@ -1,13 +1,42 @@
 """The code reward's sandbox: a separate process with a time limit, a memory limit, no network
-and its own PID namespace (roles/reward.py `code_passes` runs each completion's code in it)."""
+and its own PID namespace (roles/reward.py `code_passes` runs each completion's code in it); and
+`time_limit`, which interrupts a reward function or the judge in this process."""
 import os
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 
 from utils.errors import UserError
+
+
+class TimeLimit(BaseException):
+    """Raised by `time_limit`. Not an Exception: nothing on the way (a user function's or an
+    engine's `except Exception`) swallows it."""
+
+
+def _alarm(*_):
+    raise TimeLimit()
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Interrupts the Python code inside with TimeLimit after `seconds` (0: no limit): a Python
+    function cannot be killed, but it can be interrupted. SIGALRM reaches only the main thread, so
+    elsewhere there is no limit. Catch TimeLimit around the `with`: it may fire as it leaves."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
 def _limits(memory_mb: int, cpu_s: int):
