@@ -49,7 +49,7 @@ class Tokenizer:
     tokens and chat template (rendered with jinja2, as transformers does)."""
 
     def __init__(self, path: str):
-        file = os.path.join(path, "tokenizer.json")
+        self.path, file = path, os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{path!r} has no tokenizer.json (a fast tokenizer is required)")
         try:
@@ -91,7 +91,9 @@ class Tokenizer:
         still to be added by encode). The chat template is applied when the tokenizer has one."""
         if self.chat_template is None:
             if not isinstance(prompt, str):
-                raise UserError("prompt is a list of messages but the tokenizer has no chat template")
+                raise UserError(f"a prompt is a list of chat messages, but the tokenizer in {self.path} has no chat "
+                                "template (tokenizer_config.json's chat_template, or chat_template.jinja): add "
+                                "one there, or give --prompt-column a column of strings")
             return prompt, True
         import jinja2
 
