@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_fsdp import ROOT, torchrun
-from test_train_grpo import SEEDED, TINY, metrics
+from test_train_grpo import SEEDED, TINY, metrics, no_eval
 
 import placement
 from tests.helpers.runs import differences_within, weights_apart
@@ -152,7 +152,7 @@ def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
     store = torch.distributed.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
-    cmd = [sys.executable, "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG,
+    cmd = [sys.executable, "train_grpo.py", *no_eval(TINY), "--steps", "200", *DISAGG,
            "--timeout-s", "60", "--run-dir", run]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
@@ -189,7 +189,7 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
     run = str(tmp_path / "run")
     ranks, ahead = ("3", "1") if engine == "native" else ("2", "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "train_grpo.py", *TINY, "--steps", "200", "--eval-every", "0", *DISAGG, "--max-staleness", ahead,
+           "train_grpo.py", *no_eval(TINY), "--steps", "200", *DISAGG, "--max-staleness", ahead,
            "--save-every", "0", "--run-dir", run, "--engine", engine]
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

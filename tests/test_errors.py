@@ -16,7 +16,7 @@ import pytest
 import torch
 import tyro
 from test_fsdp import ROOT
-from test_train_grpo import TINY
+from test_train_grpo import TINY, no_eval
 from test_train_ppo import PPO_TINY
 
 from utils import errors
@@ -170,6 +170,14 @@ def inputs(tmp_path_factory):
     return tmp
 
 
+def base_flags(script: str, flags: list[str]) -> list[str]:
+    """The tiny run's flags a case adds its own to (a case with --eval-every 0: without --eval-prompts)."""
+    base = TINY if script == "train_grpo.py" else PPO_TINY
+    if "--eval-every" in flags and flags[flags.index("--eval-every") + 1] == "0":
+        base = no_eval(base)[:-2]
+    return base
+
+
 def fill(flags, says, inputs):
     return [f.replace("{tmp}", str(inputs)) for f in flags], says.replace("{tmp}", str(inputs))
 
@@ -179,8 +187,7 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
     flags, says = fill(flags, says, inputs)
     ranks = 3 if "disaggregate" in flags else 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           script, *(TINY if script == "train_grpo.py" else PPO_TINY), "--run-dir", str(tmp_path / "run"),
-           *flags]
+           script, *base_flags(script, flags), "--run-dir", str(tmp_path / "run"), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # tests never download
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     out = p.stdout + p.stderr
@@ -201,8 +208,7 @@ def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, s
     flags, says = fill(flags, says, inputs)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     train = importlib.import_module(script.removesuffix(".py"))
-    base = TINY if script == "train_grpo.py" else PPO_TINY
-    args = tyro.cli(train.Args, args=[*base, "--run-dir", str(tmp_path / "run"), *flags])
+    args = tyro.cli(train.Args, args=[*base_flags(script, flags), "--run-dir", str(tmp_path / "run"), *flags])
     with pytest.raises(errors.UserError) as e:  # what the script runs before dist.init, in its order
         train.check_args(args, 3 if "disaggregate" in flags else 2)
         read_config(args.model), Tokenizer(args.model)

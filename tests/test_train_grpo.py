@@ -11,6 +11,15 @@ from utils.logger import differences, read_metrics
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
+
+
+def no_eval(flags: list[str]) -> list[str]:
+    """flags (TINY's) with the held-out evaluation off, its --eval-prompts gone with it (a flag set
+    where it does nothing is refused)."""
+    i = flags.index("--eval-prompts")
+    return [*flags[:i], *flags[i + 2:], "--eval-every", "0"]
+
+
 # conftest.grpo_run's: a reference model, a reward that fails now and then
 SEEDED = TINY + ["--kl-coef", "0.05", "--rewards", "accuracy", "tests.helpers.rewards:flaky"]
 

@@ -89,11 +89,11 @@ class Tokenizer:
     def render(self, prompt) -> tuple[str, bool]:
         """Prompt (a string or a list of chat messages) -> (text, whether special tokens are
         still to be added by encode). The chat template is applied when the tokenizer has one."""
+        if self.chat_template is None and not isinstance(prompt, str):
+            raise UserError(f"a prompt is a list of chat messages, but the tokenizer in {self.path} has no "
+                            "chat template (tokenizer_config.json's chat_template, or chat_template.jinja): "
+                            "add one there, or give --prompt-column a column of strings")
         if self.chat_template is None:
-            if not isinstance(prompt, str):
-                raise UserError(f"a prompt is a list of chat messages, but the tokenizer in {self.path} has no chat "
-                                "template (tokenizer_config.json's chat_template, or chat_template.jinja): add "
-                                "one there, or give --prompt-column a column of strings")
             return prompt, True
         import jinja2
 

@@ -31,12 +31,14 @@ def time_limit(seconds: float):
         yield
         return
     previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
+    try:  # an alarm may fire on any line from here on: the handler is restored whatever it interrupts
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
 def _limits(memory_mb: int, cpu_s: int):
