@@ -37,6 +37,21 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
     return model
 
 
+def pytest_collection_modifyitems(items):
+    """The README runs the suite on 2 workers (pytest-xdist, `-n 2 --dist loadgroup`): one test's
+    ranks rarely keep both cores busy (start-up, a rank waiting on another), two tests do (18.6 ->
+    13.2 minutes on this 2-core machine). A test that reads a module or session fixture runs on the
+    worker of its file's other such tests, so that the fixture's launches happen once; every test
+    that reads grpo_run (in two files) on one worker too. Without xdist the marks do nothing."""
+    for item in items:
+        defs = item._fixtureinfo.name2fixturedefs
+        shared = [name for name, d in defs.items() if d[-1].scope in ("module", "session") and name != "tiny_hf"]
+        if "grpo_run" in shared:
+            item.add_marker(pytest.mark.xdist_group("grpo_run"))
+        elif shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session")
 def grpo_run(tmp_path_factory):
     """(run dir, stdout) of a 2-rank colocated GRPO run with test_train_grpo.SEEDED's flags (a

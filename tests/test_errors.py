@@ -146,13 +146,14 @@ PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own ch
     (["--rewards", "judge"], "the generative judge (--judge-model) is train_grpo.py's"),
 ]
 CASES = [("train_grpo.py", f, s) for f, s in CASES] + [("train_ppo.py", f, s) for f, s in PPO_CASES]
-# Through torchrun, end to end: the mistakes met after the process group (on every rank), the
-# parse failure, and one of each kind met before it. The rest of the before-the-group cases are
-# checked in this process (`check_args` and the model checkpoint, what the scripts run before
-# `dist.init`): the same message, without ~6 s of torchrun each.
+# Through torchrun, end to end: one of each kind met after the process group (a dataset that does
+# not parse, on 2 and 3 ranks; reward functions that fail during the steps; the judge's template),
+# the parse failure, and one of each kind met before it. The rest are checked in this process
+# (`check_args`, then the prompts and the reward terms: what the scripts run in that order): the
+# same message, without ~6 s of torchrun each.
 END_TO_END = {"--lr -1", "--learning-rate 1e-4", "--max-staleness 1", "--model {tmp}/truncated",
               "--value-clip 0", "--run-dir /sys/rl-run"}
-AFTER_GROUP = ("--dataset", "--rewards nonsense", "--rewards tests.",
+AFTER_GROUP = ("--dataset {tmp}/bad.jsonl", "--rewards tests.",
                "--rewards accuracy judge --judge-model")
 LAUNCHED = [c for c in CASES if " ".join(c[1]) in END_TO_END or " ".join(c[1]).startswith(AFTER_GROUP)]
 IN_PROCESS = [c for c in CASES if c not in LAUNCHED]
@@ -202,6 +203,8 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
 @pytest.mark.parametrize("script,flags,says", IN_PROCESS, ids=map(case_id, IN_PROCESS))
 def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, says, inputs, tmp_path,
                                                                 monkeypatch):
+    from roles.reward import Reward
+    from run import load_prompts
     from utils.data import Tokenizer
     from utils.model import read_config
 
@@ -211,7 +214,11 @@ def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, s
     args = tyro.cli(train.Args, args=[*base_flags(script, flags), "--run-dir", str(tmp_path / "run"), *flags])
     with pytest.raises(errors.UserError) as e:  # what the script runs before dist.init, in its order
         train.check_args(args, 3 if "disaggregate" in flags else 2)
-        read_config(args.model), Tokenizer(args.model)
+        if script == "train_rm.py":
+            read_config(args.model), Tokenizer(args.model)
+        else:  # then, after the group, the prompts and the reward terms (launched: one of each kind)
+            load_prompts(args.data, Tokenizer(args.data.model))
+            Reward(args.reward.rewards)
     assert says in str(e.value)
 
 
