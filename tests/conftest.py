@@ -8,6 +8,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two tests at a time on 2 cores: each rank on one thread. Two ranks on two threads each would
+    # put 4 OpenMP pools on 2 cores, whose barriers spin while a member waits to be scheduled (a
+    # 1-rank memory run: 22 s alone, 75 s beside another test on 2 threads)
+    os.environ.setdefault("RL_THREADS", "1")
 
 from utils.tiny import make_tokenizer  # noqa: E402
 
@@ -39,13 +44,14 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
 
 def pytest_collection_modifyitems(items):
     """The README runs the suite on 2 workers (pytest-xdist, `-n 2 --dist loadgroup`): one test's
-    ranks rarely keep both cores busy (start-up, a rank waiting on another), two tests do (18.6 ->
-    13.2 minutes on this 2-core machine). A test that reads a module or session fixture runs on the
-    worker of its file's other such tests, so that the fixture's launches happen once; every test
-    that reads grpo_run (in two files) on one worker too. Without xdist the marks do nothing."""
+    ranks rarely keep both cores busy (start-up, a rank waiting on another), two tests do. A test
+    that reads a module or session fixture runs on the worker of its file's other such tests, so
+    that the fixture's launches happen once; every test that reads grpo_run (in two files) on one
+    worker too. Without xdist the marks do nothing."""
     for item in items:
         defs = item._fixtureinfo.name2fixturedefs
-        shared = [name for name, d in defs.items() if d[-1].scope in ("module", "session") and name != "tiny_hf"]
+        shared = [name for name, d in defs.items() if d[-1].scope in ("module", "session")]
+        shared = [name for name in shared if name != "tiny_hf"]  # cheap: made again where needed
         if "grpo_run" in shared:
             item.add_marker(pytest.mark.xdist_group("grpo_run"))
         elif shared:

@@ -27,9 +27,11 @@ def init(timeout_s: float = 300) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # ranks on one machine share its cores: one intra-op pool per rank, not per core
+        # ranks on one machine share its cores: one intra-op pool per rank, not per core (RL_THREADS
+        # sets it: torchrun's own OMP_NUM_THREADS=1 cannot be told from a user's)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        threads = int(os.environ.get("RL_THREADS", 0)) or (os.cpu_count() or 1) // local_world
+        torch.set_num_threads(max(1, threads))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         # our own key prefix per torchrun restart: after a rank dies and torchrun restarts the
