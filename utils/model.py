@@ -203,7 +203,7 @@ def check_math_keys(d: dict):
         neutral = NEUTRAL.get(key)
         if key not in NEUTRAL and not key.endswith(("_scaling", "_multiplier", "softcapping")):
             continue
-        if key in ("rope_scaling",) or value in (neutral, None):
+        if key == "rope_scaling" or value in (neutral, None):  # rope_scaling: read_rope
             continue
         raise UserError(f"config.json: {key} = {value!r} changes the model's math and is not implemented "
                         f"here; set it to {neutral!r} (or remove it) if the checkpoint was trained that way, "
