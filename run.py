@@ -17,8 +17,9 @@ import tyro
 
 import placement
 from roles.reward import Reward
-from utils import checkpoint, dist, errors
-from utils.data import BUILTIN, Tokenizer, eval_source, load_rows, prompt_seed, tokenize_rows
+from utils import checkpoint, dist, episodes, errors
+from utils.data import BUILTIN, Tokenizer, eval_source, load_rows, prompt_seed
+from utils.episodes import EnvArgs
 from utils.engines import SamplingParams, Samples
 from utils.errors import UserError, check_rules
 from utils.logger import Logger, Timer
@@ -38,7 +39,8 @@ class DataArgs:
     """the policy's Hugging Face checkpoint: a local directory (config.json, *.safetensors,
     tokenizer.json) or a hub id (ORG/NAME, downloaded into the hub's cache; needs the network)"""
     dataset: str = BUILTIN
-    """'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id"""
+    """'builtin:arith', 'builtin:multiply' (a task that needs its tool, docs/tools.md), a local .jsonl/.json/
+    .parquet file, or a hub dataset id"""
     prompt_column: str = "prompt"
     """dataset column holding the prompt (a string or a list of chat messages)"""
     answer_column: str | None = "answer"
@@ -156,16 +158,17 @@ def parse(flags_class, check_args):
     return args
 
 
-def load_prompts(data: DataArgs, tok) -> tuple[list[dict], int, list[dict]]:
+def load_prompts(data: DataArgs, tok, env: EnvArgs) -> tuple[list[dict], int, list[dict]]:
     """(train rows, how many were over --max-prompt-tokens, held-out rows): every rank tokenises
-    the same rows and later takes its own slice of each step."""
+    the same rows and later takes its own slice of each step. With --env / --tools a prompt is the
+    environment's opening, rendered with the tools (utils/episodes.py)."""
     train_rows = load_rows(data.dataset, "train", data.prompt_column, data.answer_column)
-    rows, skipped = tokenize_rows(train_rows, tok, data.max_prompt_tokens)
+    rows, skipped = episodes.tokenize(train_rows, tok, env, data.max_prompt_tokens)
     held_out = eval_source(data.dataset, data.eval_dataset)
     eval_rows = []
     if held_out and data.eval_every:
         test_rows = load_rows(held_out, "test", data.prompt_column, data.answer_column)
-        eval_rows = tokenize_rows(test_rows, tok, data.max_prompt_tokens)[0][:data.eval_prompts]
+        eval_rows = episodes.tokenize(test_rows, tok, env, data.max_prompt_tokens)[0][:data.eval_prompts]
     return rows, skipped, eval_rows
 
 
@@ -223,7 +226,7 @@ def reduce_step(step: int, got, mask, timer, engine, plan, sums: dict, maxes: di
         "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(),
         "len": out.lengths.sum(),
         "truncated": out.finish_reasons.count("length"), "staleness": staleness, "completions": len(rewards),
-        "completion_tokens": mask.sum()})
+        "completion_tokens": mask.sum(), **episodes.sums(out)})
     s = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
         **maxes, "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
@@ -256,6 +259,7 @@ def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
         "perf/peak_mem_gib": peak["mem_gib"], "perf/peak_mem_added_gib": peak["mem_added_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
     metrics.update(placement_metrics(plan, total, peak))
+    metrics.update(episodes.metrics(total))  # multi-turn episodes: turns, tool calls and errors, stops
     return metrics
 
 

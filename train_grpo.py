@@ -36,9 +36,10 @@ from roles.reward_model import RewardModel
 from rollouts import DynamicSamplingArgs
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
                  step_metrics)
-from utils import algos, dist, memory
+from utils import algos, dist, episodes, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
+from utils.episodes import EnvArgs
 from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.mismatch import Correction, MismatchArgs
@@ -64,6 +65,7 @@ class Args:
     """nucleus sampling mass"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    env: Flat[EnvArgs] = field(default_factory=EnvArgs)
     reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
     overlong: Flat[OverlongArgs] = field(default_factory=OverlongArgs)
     judge: Flat[judge_role.JudgeArgs] = field(default_factory=judge_role.JudgeArgs)
@@ -163,6 +165,7 @@ def check_args(args: Args, world: int):
         ("minibatches", args.minibatches >= 1, "1 or more"),
         ("micro_batch_size", args.micro_batch_size >= 1, "1 or more")])
     args.overlong.check(args.max_new_tokens)
+    args.env.check()
     args.ds.check(args)
     args.correction.check()
     args.run.check()
@@ -177,6 +180,7 @@ def check_args(args: Args, world: int):
     args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
     args.reward.check(args.data)
     args.judge.check(args)
+    args.env.check_model(args.data.model)  # the chat template carries an episode token for token
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -280,14 +284,15 @@ if __name__ == "__main__":
                           args.layout.sampler_ranks)
     torch.manual_seed(args.run.seed)
     param_dtype = getattr(torch, args.param_dtype)
-    max_len = args.data.max_prompt_tokens + args.max_new_tokens
-    local_engine = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                           args.run.seed)
+    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
+    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
+    engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
+                        args.run.seed)
+    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
         rollout_rank(plan, local_engine)
 
-    # data, then the roles on every trainer rank: the actor, the reference, the reward model, the judge
-    rows, skipped, eval_rows = load_prompts(args.data, tok)
+    # the roles on every trainer rank: the actor, the reference, the reward model, the judge
     dist.mark_memory_start(device)  # what the models and steps add is measured from here
     if rank == 0:
         print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
@@ -328,7 +333,8 @@ if __name__ == "__main__":
 
         # the batch: one row per completion; samples that are not kept leave the loss
         prompt_ids = per_sample([r["ids"] for r in got.rows], n)
-        batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device)
+        batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device,
+                           got.samples.model_mask)  # episodes: the environment's tokens leave the loss
         batch["loss_mask"] = batch["loss_mask"] * got.keep[:, None].to(device)  # [N, T]
         batch["old_logp"] = got.samples.logprobs.to(device)  # [N, T] the engine's
         if ref:

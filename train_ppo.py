@@ -36,9 +36,10 @@ from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
                  rollout_rank, step_metrics)
-from utils import algos, dist, memory
+from utils import algos, dist, episodes, memory
 from utils.data import Tokenizer, check_same_tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
+from utils.episodes import EnvArgs
 from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.model import read_config
@@ -63,6 +64,7 @@ class Args:
     """nucleus sampling mass"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    env: Flat[EnvArgs] = field(default_factory=EnvArgs)
     reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
     gamma: float = 1.0
     """GAE's discount (1: the score at the end counts fully at every token)"""
@@ -156,6 +158,7 @@ def check_args(args: Args, world: int):
                 "partial placement splits the rollout between a sampler and a judge, which is "
                 "train_grpo.py's")])
     args.run.check()
+    args.env.check()
     layout = args.layout.check(world, args.prompts_per_step)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
     if rows % args.minibatches:
@@ -169,6 +172,7 @@ def check_args(args: Args, world: int):
         check_same_tokenizer(args.critic_model, "--critic-model", args.data.model, "the critic values the "
                              "policy's token ids: start it from a checkpoint with the policy's tokenizer")
     args.reward.check(args.data)
+    args.env.check_model(args.data.model)  # the chat template carries an episode token for token
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -272,14 +276,15 @@ if __name__ == "__main__":
                           args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s)
     torch.manual_seed(args.run.seed)
     param_dtype = getattr(torch, args.param_dtype)
-    max_len = args.data.max_prompt_tokens + args.max_new_tokens
-    local_engine = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                           args.run.seed)
+    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
+    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
+    engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
+                        args.run.seed)
+    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
         rollout_rank(plan, local_engine)
 
-    # data, then the roles on every trainer rank: the actor, the critic, the reference, the reward model
-    rows, skipped, eval_rows = load_prompts(args.data, tok)
+    # the roles on every trainer rank: the actor, the critic, the reference, the reward model
     decay_steps = args.steps if args.lr_schedule == "linear" else 0
     critic_dir = args.critic_model or args.data.model
     dist.mark_memory_start(device)  # what the models and steps add is measured from here
@@ -325,7 +330,8 @@ if __name__ == "__main__":
 
         # the batch: one row per completion; a sample without a reward leaves the loss
         prompt_ids = per_sample([r["ids"] for r in got.rows], n)
-        batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device)
+        batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device,
+                           got.samples.model_mask)  # episodes: the environment's tokens leave the loss
         batch["old_logp"] = got.samples.logprobs.to(device)  # [N, T]
         batch["loss_mask"] = batch["loss_mask"] * got.keep[:, None].to(device)  # [N, T]
         if ref:

@@ -276,7 +276,8 @@ def judge_chunk(judge, rows, seeds, samples, n: int):
     columns = dataset_columns(rows, n)
     columns["finish_reason"] = samples.finish_reasons
     prompts = per_sample([r["prompt"] for r in rows], n)
-    return judge.score(prompts, samples.texts, columns, verdict_seeds(seeds, n))
+    texts = samples.transcripts or samples.texts  # an episode is judged whole: its turns and tool replies
+    return judge.score(prompts, texts, columns, verdict_seeds(seeds, n))
 
 
 def check(path: str, template: str | None):

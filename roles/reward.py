@@ -197,6 +197,9 @@ class Scorer:
             columns["finish_reason"] = out.finish_reasons
             prompts = per_sample([r["prompt"] for r in rows], n)
             rewards, parts, failed = self.reward.score(prompts, out.texts, columns, rm_scores, judged)
+            if out.episode:  # multi-turn episodes: the environment's own rewards, summed over its turns
+                parts["env"] = out.episode["env_reward"] * ~failed
+                rewards = rewards + parts["env"]
             cfg = self.overlong
             if cfg.overlong_buffer:  # DAPO: a soft penalty for running into the length limit
                 penalty = algos.overlong_penalty(out.lengths, self.max_new_tokens, cfg.overlong_buffer,

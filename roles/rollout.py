@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from utils import dist
-from utils.engines import SamplingParams, Samples, VLLMEngine
+from utils.engines import SamplingParams, Samples
 
 
 # ---- the messages a trainer sends its rollout rank (every trainer of a rollout rank sends the same sequence)
@@ -215,7 +215,7 @@ def leave(engine, why: str):
 
 def receive(plan, engine, msg: Weights, bufs: dict):
     """One update from trainer 0's broadcast into this rollout rank's engine."""
-    if isinstance(engine, VLLMEngine):
+    if hasattr(engine, "receive_weights"):  # a vLLM engine (perhaps inside utils.episodes.Episodes)
         engine.receive_weights(msg.specs)
         return
     buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)

@@ -99,6 +99,13 @@ CASES = [  # (flags, what the error line must say)
     (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny",
       "--judge-template", "prompts/judge_prompt.txt"],
      "--judge-template prompts/judge_prompt.txt: no such file"),
+    # multi-turn episodes (utils/episodes.py), before the process group
+    (["--tools", "nomodule:fn"], "--tools 'nomodule:fn' could not be loaded: ModuleNotFoundError"),
+    (["--tools", "utils.env:multiply"], "--env / --tools: the tokenizer in assets/arith-tiny has no chat "
+     "template"),
+    (["--env", "utils.env:multiply"], "--env utils.env:multiply: an environment class has reset(row)"),
+    (["--tools", "utils.env:multiply", "--max-turns", "0"], "--max-turns 0: use 1 or more"),
+    (["--env", "tools"], "--env tools: name the tools with --tools"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
@@ -217,7 +224,7 @@ def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, s
         if script == "train_rm.py":
             read_config(args.model), Tokenizer(args.model)
         else:  # then, after the group, the prompts and the reward terms (launched: one of each kind)
-            load_prompts(args.data, Tokenizer(args.data.model))
+            load_prompts(args.data, Tokenizer(args.data.model), args.env)
             Reward(args.reward.rewards)
     assert says in str(e.value)
 

@@ -87,9 +87,11 @@ def token_logprobs(logits, tokens, temperature: float = 1.0):
 def token_rewards(score, kl, mask, kl_coef: float):
     """PPO's per-token reward for RLHF (Ziegler et al. 2019; Ouyang et al. 2022): -kl_coef * KL
     at every completion token, plus the sequence's score on its last token. score [B]; kl,
-    mask [B, T] (right-padded completions: mask is 1 on a prefix) -> [B, T]."""
+    mask [B, T] (1 on the tokens the policy chose: a prefix, or with multi-turn episodes the
+    model's turns, the environment's tokens 0 between them) -> [B, T]."""
     rewards = -kl_coef * kl * mask  # [B, T]
-    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [B] index of the last completion token
+    T = mask.shape[-1]
+    last = T - 1 - (mask > 0).flip(-1).int().argmax(-1)  # [B] index of the last token in the mask
     has_tokens = (mask.sum(-1) > 0).to(score.dtype)  # [B] an empty completion gets nothing
     rewards[torch.arange(len(score)), last] += score * has_tokens
     return rewards
@@ -97,17 +99,21 @@ def token_rewards(score, kl, mask, kl_coef: float):
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16), backwards over each
-    completion: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1},
-    with V = 0 after the last token. Returns (advantages, returns = A + V): the critic's target.
-    rewards, values, mask [B, T] (right-padded: mask is 1 on a prefix) -> ([B, T], [B, T])."""
+    completion's tokens in the mask: delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma
+    * lam * A_next, where "next" is the next token in the mask (tokens outside it, the
+    environment's in a multi-turn episode, are skipped: the policy made no choice there) and V = 0
+    after the last. Returns (advantages, returns = A + V): the critic's target.
+    rewards, values, mask [B, T] -> ([B, T], [B, T]), 0 outside the mask."""
     rewards, values = rewards * mask, values * mask  # [B, T]: padding adds nothing
     B, T = rewards.shape
     adv = torch.zeros_like(rewards)  # [B, T]
-    running = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # [B] A_{t+1}
+    running = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # [B] A at the next token
+    next_value = torch.zeros_like(running)  # [B] V at the next token
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)  # [B]
+        on = mask[:, t] > 0  # [B]
         delta = rewards[:, t] + gamma * next_value - values[:, t]  # [B]
-        running = delta + gamma * lam * running
+        running = torch.where(on, delta + gamma * lam * running, running)
+        next_value = torch.where(on, values[:, t], next_value)
         adv[:, t] = running
     adv = adv * mask
     return adv, (adv + values) * mask

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 BUILTIN = "builtin:arith"
+MULTIPLY = "builtin:multiply"  # needs its tool: --tools utils.env:multiply (utils/env.py)
 EOS = "<|endoftext|>"
 
 
@@ -59,7 +60,7 @@ class Tokenizer:
         conf = {}
         if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
             conf = read_json(os.path.join(path, "tokenizer_config.json"))
-        self.chat_template = conf.get("chat_template")
+        self.chat_template, self._template = conf.get("chat_template"), None
         if self.chat_template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
             with open(os.path.join(path, "chat_template.jinja")) as f:
                 self.chat_template = f.read()
@@ -86,42 +87,61 @@ class Tokenizer:
     def decode_batch(self, batch) -> list[str]:
         return self.tok.decode_batch([list(x) for x in batch], skip_special_tokens=True)
 
-    def render(self, prompt) -> tuple[str, bool]:
+    def render(self, prompt, tools: list | None = None) -> tuple[str, bool]:
         """Prompt (a string or a list of chat messages) -> (text, whether special tokens are
-        still to be added by encode). The chat template is applied when the tokenizer has one."""
-        if self.chat_template is None and not isinstance(prompt, str):
-            raise UserError(f"a prompt is a list of chat messages, but the tokenizer in {self.path} has no "
-                            "chat template (tokenizer_config.json's chat_template, or chat_template.jinja): "
-                            "add one there, or give --prompt-column a column of strings")
+        still to be added by encode). The chat template is applied when the tokenizer has one;
+        `tools`: tool schemas (utils.env.schema) for the template."""
+        if self.chat_template is None and (not isinstance(prompt, str) or tools):
+            raise UserError(f"a prompt is a list of chat messages (or offers tools), but the tokenizer in "
+                            f"{self.path} has no chat template (tokenizer_config.json's chat_template, or "
+                            "chat_template.jinja): add one there, or give --prompt-column a column of "
+                            "strings")
         if self.chat_template is None:
             return prompt, True
-        import jinja2
-
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return self.chat(messages, True, tools), False  # the template already holds the special tokens
 
-        def raise_exception(msg):
-            raise UserError(msg)
+    def chat(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
+        """The chat template's text of `messages` (rendered with jinja2, as transformers does)."""
+        if self._template is None:  # compiled once
+            import jinja2
 
-        env.globals["raise_exception"] = raise_exception
-        text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "")
-        return text, False  # the template already holds the special tokens
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(msg):
+                raise UserError(msg)
+
+            env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = _tojson  # transformers' (jinja's own escapes HTML)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
-def train_tokenizer(texts, path: str, vocab_size: int = 512, chat_template: str | None = None):
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def train_tokenizer(texts, path: str, vocab_size: int = 512, chat_template: str | None = None,
+                    special: tuple = (), added: tuple = ()):
     """A byte-level BPE tokenizer trained offline in well under a second; digits stay single
-    tokens so that arithmetic is learnable. Writes tokenizer.json + tokenizer_config.json."""
+    tokens so that arithmetic is learnable. `special`: special tokens besides EOS (skipped when
+    decoding); `added`: whole tokens that decode as text (tags such as <tool_call>). Writes
+    tokenizer.json + tokenizer_config.json."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
+    if added:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
@@ -161,6 +181,30 @@ def arith_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 25
         if r["prompt"] not in seen:
             train.append(r)
     return train
+
+
+def multiply_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 256) -> list[dict]:
+    """Products of 2-3-digit integers: a tiny model cannot multiply in its head, but it can call
+    a calculator tool (utils.env.multiply) and copy the result. Eval problems never in train."""
+    def problem(rng):
+        a, b = rng.randrange(10, 1000), rng.randrange(10, 1000)
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+
+    rng, evals = random.Random(f"multiply-eval-{seed}"), {}
+    while len(evals) < n_eval:
+        r = problem(rng)
+        evals[r["prompt"]] = r
+    if split == "eval":
+        return list(evals.values())
+    rng, train = random.Random(f"multiply-train-{seed}"), []
+    while len(train) < n_train:
+        r = problem(rng)
+        if r["prompt"] not in evals:
+            train.append(r)
+    return train
+
+
+TASKS = {BUILTIN: arith_rows, MULTIPLY: multiply_rows}
 
 
 # ---------------------------------------------------------------- prompt datasets
@@ -205,11 +249,12 @@ def is_prompt(p) -> bool:
 
 def load_rows(source: str, split: str, prompt_column: str, answer_column: str | None):
     """Rows as dicts with 'prompt', 'answer' (may be None) and the other columns.
-    source: 'builtin:arith', a local .jsonl/.json/.parquet file, or a hub dataset id. The built-in
+    source: 'builtin:arith' or 'builtin:multiply', a local .jsonl/.json/.parquet file, or a hub
+    dataset id. The built-in
     task is one fixed set of problems, whatever --seed (which orders and samples them): the
     shipped tiny model's warm start never saw its eval split."""
-    if source == BUILTIN:
-        rows = arith_rows("eval" if split in ("eval", "test") else "train")
+    if source in TASKS:
+        rows = TASKS[source]("eval" if split in ("eval", "test") else "train")
         prompt_column, answer_column = "prompt", "answer"
     else:
         ds = read_dataset(source, split)
@@ -278,12 +323,13 @@ def _unreadable(source: str, ext: str, error: Exception) -> str:
     return f"could not read dataset file {source!r}: {type(error).__name__}: {error}"
 
 
-def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int):
+def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int, tools: list | None = None):
     """Adds 'text' and 'ids' to each row; rows whose prompt is longer than the limit are
-    dropped. Returns (kept rows, number skipped)."""
+    dropped. A row's 'prompt_messages' (an environment's opening, utils/episodes.py) are rendered
+    instead of its prompt, with `tools` (schemas) for the template. Returns (kept rows, number skipped)."""
     kept, skipped = [], 0
     for r in rows:
-        text, special = tok.render(r["prompt"])
+        text, special = tok.render(r.get("prompt_messages", r["prompt"]), tools)
         ids = tok.encode(text, special)
         if len(ids) > max_prompt_tokens:
             skipped += 1
@@ -438,7 +484,7 @@ def dataset_columns(rows: list[dict], n: int) -> dict[str, list]:
     completion: what reward functions get as keyword arguments."""
     columns = {}
     for key in rows[0]:
-        if key not in ("prompt", "text", "ids"):
+        if key not in ("prompt", "text", "ids", "prompt_messages"):
             columns[key] = per_sample([r.get(key) for r in rows], n)
     return columns
 
@@ -448,7 +494,7 @@ def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
     else a hub id's test split; a local file has none."""
     if eval_dataset is not None:
         return eval_dataset
-    if dataset == BUILTIN or not os.path.exists(dataset):
+    if dataset in TASKS or not os.path.exists(dataset):
         return dataset
     return None
 
@@ -498,9 +544,11 @@ class Batch(TypedDict, total=False):
     returns: "torch.Tensor"
 
 
-def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu") -> Batch:
+def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu",
+               model_mask=None) -> Batch:
     """The training layout of a rank's samples (input_ids, valid, prompt_len, loss_mask of
-    `Batch`). prompts: one id list per row; tokens [N, T], lengths [N] from the engine."""
+    `Batch`). prompts: one id list per row; tokens [N, T], lengths [N] from the engine;
+    model_mask [N, T] (episodes): 0 on the environment's tokens, which leave the loss."""
     import torch
 
     N, T = tokens.shape
@@ -513,8 +561,9 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     completion = torch.arange(T)[None] < lengths[:, None]  # [N, T]
     input_ids[:, P:] = torch.where(completion, tokens, pad_id)
     valid[:, P:] = completion
+    loss_mask = completion.float() if model_mask is None else completion * model_mask
     return {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
-            "loss_mask": completion.float().to(device)}
+            "loss_mask": loss_mask.to(device)}
 
 
 def take_rows(batch: dict, rows) -> dict:

@@ -18,7 +18,7 @@ import importlib.util
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,11 @@ class Samples:
     finish_reasons: list  # "stop" (EOS or stop string) | "length"
     texts: list  # decoded completions (stop string cut off)
     version: int = 0  # the policy version (optimizer steps) of the weights that generated them
+    # multi-turn episodes (utils/episodes.py) only; None / empty for single-turn samples
+    model_mask: torch.Tensor | None = None  # [N, T] 1 on the model's tokens, 0 on the environment's
+    token_versions: torch.Tensor | None = None  # [N, T] long: the policy version of each token (-1: env)
+    episode: dict = field(default_factory=dict)  # {stat: [N] float} turns, tool calls, errors, stops
+    transcripts: list | None = None  # the whole episode's text (the judge reads it)
 
     @classmethod
     def empty(cls, version: int = 0) -> "Samples":
@@ -48,17 +53,27 @@ class Samples:
     def take(self, rows: list[int]) -> "Samples":
         """These rows, in this order."""
         index = torch.tensor(rows, dtype=torch.long)
+        pick = lambda x: None if x is None else x[index]  # noqa: E731
         return Samples(self.tokens[index], self.logprobs[index], self.lengths[index],
-                       [self.finish_reasons[i] for i in rows], [self.texts[i] for i in rows], self.version)
+                       [self.finish_reasons[i] for i in rows], [self.texts[i] for i in rows], self.version,
+                       pick(self.model_mask), pick(self.token_versions),
+                       {k: v[index] for k, v in self.episode.items()},
+                       None if self.transcripts is None else [self.transcripts[i] for i in rows])
 
     @staticmethod
     def cat(parts: list["Samples"]) -> "Samples":
         """Rows of several batches, one after the other (completions padded to the longest)."""
         T = max(p.tokens.shape[1] for p in parts)
-        pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
+        pad = lambda x, v=0: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+        turns = [p for p in parts if p.model_mask is not None]  # episodes (an empty part has none)
         return Samples(torch.cat([pad(p.tokens) for p in parts]), torch.cat([pad(p.logprobs) for p in parts]),
                        torch.cat([p.lengths for p in parts]), [r for p in parts for r in p.finish_reasons],
-                       [t for p in parts for t in p.texts], min(p.version for p in parts))
+                       [t for p in parts for t in p.texts], min(p.version for p in parts),
+                       torch.cat([pad(p.model_mask) for p in turns]) if turns else None,
+                       torch.cat([pad(p.token_versions, -1) for p in turns]) if turns else None,
+                       {k: torch.cat([p.episode[k] for p in turns]) for k in turns[0].episode}
+                       if turns else {},
+                       [t for p in turns for t in p.transcripts] if turns else None)
 
 
 class Engine:

@@ -1,4 +1,5 @@
-"""A picture of a run from its metrics.jsonl: the training reward, held-out accuracy,
+"""A picture of a run from its metrics.jsonl: the training reward, held-out accuracy (and the
+share of episodes that call a tool, with --tools),
 response length and each phase's seconds per step, written to run_dir/curves.png (at the end
 of every run, and on demand). matplotlib is optional: without it this says how to get it.
 
@@ -41,6 +42,9 @@ def plot(run_dir: str) -> str | None:
     if evals:
         accuracy.plot([s for s, _ in evals], [a for _, a in evals], "o-")
     accuracy.set_title("held-out accuracy")
+    if any("episode/tool_call_rate" in r for r in steps):  # multi-turn episodes with tools
+        accuracy.plot(x, [r.get("episode/tool_call_rate", 0.0) for r in steps], lw=1, label="tool-call rate")
+        accuracy.set_title("held-out accuracy (dots); episodes that call a tool (line)")
     accuracy.set_ylim(0, 1)
     length.plot(x, [r["rollout/response_len"] for r in steps], lw=1)
     length.set_title("response length (tokens)")

@@ -5,6 +5,7 @@ model, and a short supervised warm start that leaves the model partly right on t
     python -m utils.tiny --out assets/arith-tiny            # what the default run uses (~5 min)
     python -m utils.tiny --out /tmp/rand --sft-steps 0       # random weights (tests)
     python -m utils.tiny --judge --out assets/judge-tiny     # the tiny judge (~9 min)
+    python -m utils.tiny --tools --out assets/tool-tiny      # a tiny model that sometimes calls a tool
 """
 import argparse
 import random
@@ -235,15 +236,144 @@ def judge_checkpoint(path: str, seed: int = 0, sft_steps: int = 2400, batch: int
     return judge_agreement(load_model(path).eval(), tok, held, verdicts)
 
 
+# ---------------------------------------------------------------- a tiny tool user (utils/env.py)
+
+# Hermes-style tool calls in a short chat format: one special token per role; the end of an
+# assistant turn is EOS followed by a newline the model never emits (as Qwen's "<|im_end|>\n")
+TOOL_TEMPLATE = (
+    "{%- if tools %}{{ '<|tools|>' }}{% for t in tools %}{{ t.function.name }}{{ ',' if not loop.last }}"
+    "{% endfor %}{{ '\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{ '<|user|>' + m.content + '\n' }}"
+    "{%- elif m.role == 'assistant' %}{{ '<|assistant|>' + m.content + eos_token + '\n' }}"
+    "{%- elif m.role == 'tool' %}{{ '<|tool|><tool_response>' + m.content + '</tool_response>\n' }}"
+    "{%- endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+TOOL_SPECIAL = ("<|user|>", "<|assistant|>", "<|tool|>", "<|tools|>")
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
+def tool_call_text(a: str, b: str) -> str:
+    return '<tool_call>{"name": "multiply", "arguments": {"a": %s, "b": %s}}</tool_call>' % (a, b)
+
+
+def tool_tokenizer(path: str) -> int:
+    """The tokenizer of the tiny tool user (TOOL_TEMPLATE, one token per role and tag); EOS's id."""
+    from utils.data import multiply_rows
+
+    texts = []
+    for r in multiply_rows("train")[:3000]:
+        a, b = r["prompt"].rstrip("=").split("*")
+        texts.append(f"{r['prompt']}{tool_call_text(a, b)}{r['answer']}")
+    return train_tokenizer(texts, path, 512, TOOL_TEMPLATE, TOOL_SPECIAL, TOOL_TAGS)
+
+
+def tool_episode(row: dict, call: bool, tok: Tokenizer, tools: list):
+    """The token ids of one episode of builtin:multiply as utils/episodes.py builds them (prompt,
+    then turns and template deltas), and the mask of the model's tokens: with `call`, a call of
+    the calculator, its result, and the result copied as the answer; else the answer at once."""
+    from utils.episodes import template_delta
+
+    eos = min(tok.eos_ids)
+    history = [{"role": "user", "content": row["prompt"]}]
+    ids = tok.encode(tok.chat(history, True, tools), special=False)
+    mask = [0] * len(ids)
+    if call:
+        text = tool_call_text(*row["prompt"].rstrip("=").split("*"))
+        turn = tok.encode(text, special=False) + [eos]
+        reply = [{"role": "tool", "name": "multiply", "content": row["answer"]}]
+        delta = template_delta(tok, history, text, text + tok.eos_token, reply, tools)
+        ids, mask = ids + turn + delta, mask + [1] * len(turn) + [0] * len(delta)
+    answer = tok.encode(row["answer"], special=False) + [eos]
+    return ids + answer, mask + [1] * len(answer)
+
+
+def tool_checkpoint(path: str, seed: int = 0, sft_steps: int = 2000, batch: int = 64, lr: float = 1e-3,
+                    call_share: float = 0.2, log_every: int = 250) -> dict:
+    """The tiny model of builtin:multiply (assets/tool-tiny): a tokenizer with the chat template
+    above, a random decoder of the TINY shape, then supervised episodes on the train split where
+    a share `call_share` calls the calculator and copies its result and the rest answer at once
+    (the right product: a model this small cannot compute it, so it guesses). RL then has to
+    learn that calling pays. Returns the greedy share of held-out episodes that call, and of
+    those whose copy is right (teacher-forced: the tool's true result)."""
+    from utils.data import multiply_rows
+    from utils.env import multiply, schema
+    from utils.model import load_model
+
+    rng = random.Random(f"tools-{seed}")
+    train = multiply_rows("train", seed)
+    tools = [schema(multiply)]
+    eos = tool_tokenizer(path)
+    cfg = ModelConfig(**TINY, architecture="Qwen2ForCausalLM", eos_token_id=eos, attention_bias=True)
+    model = build(cfg)
+    model.init_weights(seed)
+    tok = Tokenizer(path)
+    torch.manual_seed(seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, sft_steps), pct_start=0.05)
+    t0 = time.time()
+    for step in range(sft_steps):
+        calls = [rng.random() < call_share for _ in range(batch)]
+        seqs = [tool_episode(r, c, tok, tools) for r, c in zip(rng.sample(train, batch), calls)]
+        opt.zero_grad()
+        total = sum(sum(mask) for _, mask in seqs)
+        for kind in (True, False):  # episodes with a call (~55 tokens) apart from direct answers (~20)
+            part = [s for s, c in zip(seqs, calls) if c == kind]
+            if not part:
+                continue
+            L = max(len(ids) for ids, _ in part)
+            x = torch.tensor([ids + [eos] * (L - len(ids)) for ids, _ in part])
+            m = torch.tensor([mask + [0] * (L - len(mask)) for _, mask in part], dtype=torch.float32)
+            logits = model(x[:, :-1])  # [B, L-1, V]
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:],
+                                                    reduction="none")  # [B, L-1]
+            loss = (nll * m[:, 1:]).sum() / total
+            loss.backward()
+        opt.step()
+        sched.step()
+        if (step + 1) % log_every == 0:
+            print(f"tool sft step {step + 1}/{sft_steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)",
+                  flush=True)
+    save_model(model, cfg, path)
+    return tool_copy_accuracy(load_model(path).eval(), tok, tools)
+
+
+@torch.no_grad()
+def tool_copy_accuracy(model, tok: Tokenizer, tools, n: int = 256) -> dict:
+    """Greedy, on held-out problems, teacher-forced: the share whose first token opens a tool
+    call, and the share of full tool episodes whose every model token is the argmax (the call's
+    arguments and the copied result right)."""
+    from utils.data import multiply_rows
+
+    rows = multiply_rows("eval")[:n]
+    calls = right = 0
+    for r in rows:
+        ids, mask = tool_episode(r, True, tok, tools)
+        x = torch.tensor([ids])
+        pred = model(x[:, :-1])[0].argmax(-1)  # [L-1]
+        first = mask.index(1)
+        calls += int(pred[first - 1] == ids[first])
+        model_tokens = torch.tensor(mask[1:], dtype=torch.bool)
+        right += int(bool((pred[model_tokens[first:].nonzero()[:, 0] + first] ==
+                           x[0, 1:][model_tokens[first:].nonzero()[:, 0] + first]).all()))
+    return {"first_token_call": calls / n, "tool_episode_right": right / n}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sft-steps", type=int, default=None, help="default: 2500, with --judge 2400")
+    ap.add_argument("--sft-steps", type=int, default=None, help="default: 2500, --judge 2400, --tools 2000")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judge", action="store_true", help="write the tiny judge (roles/judge.py)")
+    ap.add_argument("--tools", action="store_true", help="write the tiny tool user (builtin:multiply)")
     a = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the same float reduction order, hence the same bits, each run
-    if a.judge:
+    if a.tools:
+        torch.set_num_threads(2)  # ~0.25 s a step (the episodes are long); the bits then depend on the CPU
+        got = tool_checkpoint(a.out, a.seed, 2000 if a.sft_steps is None else a.sft_steps)
+        print(f"wrote {a.out}: held-out, greedy: {got}")
+    elif a.judge:
         agreement = judge_checkpoint(a.out, a.seed, 2400 if a.sft_steps is None else a.sft_steps)
         print(f"wrote {a.out}: held-out agreement with the accuracy rule {agreement:.3f} (greedy)")
     else:

@@ -1,0 +1,113 @@
+"""Does RL teach the tiny model to use its tool? GRPO on builtin:multiply (products of 2-3-digit
+numbers, which a 1M-parameter model cannot compute) with the calculator `utils.env:multiply`,
+from assets/tool-tiny (warm-started to call it on ~1 in 5 samples), on 2 CPU ranks, for several
+seeds; and the control: the same run without --tools (a call then runs nothing, the model must
+answer in its head). Prints held-out accuracy at the start and the end, the tool-call rate of
+the first and last steps, and the wall time. Then the throughput of episodes against
+single-turn generation on the same model and prompts (native engine, in this process).
+
+    python bench/tool_task.py [--seeds 0 1 2] [--steps 120] [--control-seeds 0]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# the tool task's run: also in docs/tools.md and tests/test_tools_run.py
+FLAGS = ["--model", "assets/tool-tiny", "--dataset", "builtin:multiply", "--max-prompt-tokens", "32",
+         "--max-new-tokens", "96", "--prompts-per-step", "16", "--num-generations", "8", "--eval-every", "20",
+         "--save-every", "0", "--no-save-final"]
+TOOLS = ["--tools", "utils.env:multiply"]
+
+
+def learning(seeds, steps: int, control: bool) -> list[dict]:
+    rows = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as run:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "train_grpo.py", *FLAGS, *([] if control else TOOLS), "--steps", str(steps),
+                   "--seed", str(seed), "--run-dir", run]
+            t = time.time()
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+            wall = time.time() - t
+            if p.returncode:
+                sys.exit(p.stderr[-3000:])
+            with open(os.path.join(run, "metrics.jsonl")) as f:
+                ms = [json.loads(line) for line in f]
+        steps_ = [m for m in ms if not m.get("final")]
+        evals = [m["eval/accuracy"] for m in ms if "eval/accuracy" in m]
+        rate = [m.get("episode/tool_call_rate", 0.0) for m in steps_]
+        rows.append({"run": "control (no tools)" if control else "tools", "seed": seed, "acc_start": evals[0],
+                     "acc_end": evals[-1], "rate_start": rate[0], "rate_end": sum(rate[-5:]) / len(rate[-5:]),
+                     "reward_end": sum(m["rollout/reward"] for m in steps_[-5:]) / 5, "wall_s": wall})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def throughput(prompts: int = 64, n: int = 8, rounds: int = 3) -> list[dict]:
+    """Episodes (tools on, temperature 1) against single-turn generation of the same prompts
+    and budget, native engine, this process on all cores: episodes/s and model tokens/s."""
+    import torch
+
+    from utils.data import Tokenizer, multiply_rows
+    from utils.engines import NativeEngine, SamplingParams
+    from utils.episodes import EnvArgs, Episodes, tokenize
+    from utils.model import iter_checkpoint, read_config
+
+    model = os.path.join(ROOT, "assets", "tool-tiny")
+    tok = Tokenizer(model)
+    cfg = EnvArgs(tools=("utils.env:multiply",))
+    cfg.check()
+    rows = tokenize(multiply_rows("eval")[:prompts], tok, cfg, 32)[0]
+    engine = NativeEngine(read_config(model), tok)
+    engine.load_weights(iter_checkpoint(model))
+    episodes = Episodes(engine, cfg, tok, rows, 96)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=96)
+    out = []
+    for name, eng, p in [("single-turn", engine, SamplingParams(n=n, temperature=1.0, max_new_tokens=48)),
+                         ("episodes (tools)", episodes, params)]:
+        best = None
+        for r in range(rounds):
+            t = time.perf_counter()
+            got = eng.generate([x["ids"] for x in rows], p, list(range(r * prompts, (r + 1) * prompts)))
+            dt = time.perf_counter() - t
+            mask = got.model_mask if got.model_mask is not None else (
+                torch.arange(got.tokens.shape[1])[None] < got.lengths[:, None]).float()
+            stats = {"mode": name, "s": dt, "episodes_per_s": len(got.texts) / dt,
+                     "model_tokens_per_s": float(mask.sum()) / dt, "all_tokens": int(got.lengths.sum()),
+                     "turns": float(got.episode["turns"].mean()) if got.episode else 1.0,
+                     "calling": float((got.episode["tool_calls"] > 0).float().mean()) if got.episode else 0.0}
+            if best is None or dt < best["s"]:
+                best = stats
+        out.append(best)
+    episodes.close()
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--control-seeds", type=int, nargs="*", default=[0])
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--skip-learning", action="store_true")
+    a = ap.parse_args()
+    table = []
+    if not a.skip_learning:
+        table = learning(a.seeds, a.steps, False) + learning(a.control_seeds, a.steps, True)
+        print(f"\n{'run':<20} {'seed':>4} {'held-out acc':>14} {'tool-call rate':>16} "
+              f"{'reward (last 5)':>16} {'wall s':>7}")
+        for r in table:
+            print(f"{r['run']:<20} {r['seed']:>4} {r['acc_start']:>6.3f} -> {r['acc_end']:.3f} "
+                  f"{r['rate_start']:>7.3f} -> {r['rate_end']:.3f} {r['reward_end']:>16.3f} "
+                  f"{r['wall_s']:>7.0f}")
+    print(f"\n{'generation (64 prompts x 8)':<28} {'s':>6} {'episodes/s':>11} {'model tok/s':>12} "
+          f"{'turns':>6} {'calling':>8}")
+    for r in throughput():
+        print(f"{r['mode']:<28} {r['s']:>6.2f} {r['episodes_per_s']:>11.1f} "
+              f"{r['model_tokens_per_s']:>12.0f} {r['turns']:>6.2f} {r['calling']:>8.2f}")
