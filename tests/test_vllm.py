@@ -130,6 +130,19 @@ def test_grpo_with_vllm_reports_the_logprob_gap_and_judges_on_vllm(tmp_path):
         assert r["reward/judge_unparsed_share"] < 0.1 and r["reward/failures"] == 0
 
 
+@needs_vllm
+def test_vllm_plays_tool_episodes_token_for_token_as_the_native_engine():
+    """Greedy episodes of builtin:multiply with the tool run for real (tests/helpers/
+    vllm_episode_check.py): every episode's ids (the forced call, the template delta of the tool's
+    reply, the answer each engine then writes) are the same on vLLM as on the native engine."""
+    p = subprocess.run([sys.executable, "tests/helpers/vllm_episode_check.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["same"] == r["episodes"] == r["called"] == r["vllm_called"] == 32, r
+    assert r["turns"] == [2.0] * 32 and r["texts_equal"], r
+
+
 def test_asking_for_vllm_without_it_says_how_to_install():
     """Runs whether or not vLLM is installed: the import is made to fail in a subprocess."""
     code = ("import sys; sys.modules['vllm'] = None\n"

@@ -51,6 +51,23 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+class Retry:
+    """The example of docs/tools.md: the model answers; a wrong answer is told so and may try
+    again (--max-turns), and the right one earns 1 / the turn it came on, besides --rewards."""
+    tools = []  # none: a plain multi-turn chat
+
+    def reset(self, row) -> list[dict]:
+        self.answer, self.turn = row["answer"], 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text: str):
+        self.turn += 1
+        numbers = re.findall(r"-?\d+", text)
+        if numbers and numbers[-1] == self.answer:
+            return [], 1.0 / self.turn, True
+        return [{"role": "user", "content": "wrong, try again"}], 0.0, False
+
+
 def load(spec: str, flag: str):
     """'module:name' -> the object, or one error naming the flag."""
     if ":" not in spec:

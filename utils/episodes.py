@@ -161,6 +161,8 @@ class Episodes:
         check_template(tok, self.tools)
 
     def __getattr__(self, name):  # load_weights, release, receive_weights, backend, ...: the engine's
+        if name == "engine":  # not set yet (during __init__ or a copy)
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     @property
