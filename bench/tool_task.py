@@ -42,7 +42,7 @@ def learning(seeds, steps: int, control: bool) -> list[dict]:
                 ms = [json.loads(line) for line in f]
         steps_ = [m for m in ms if not m.get("final")]
         evals = [m["eval/accuracy"] for m in ms if "eval/accuracy" in m]
-        rate = [m.get("episode/tool_call_rate", 0.0) for m in steps_]
+        rate = [m.get("episode/tool_call_rate", float("nan")) for m in steps_]  # nan: no tools, no episodes
         rows.append({"run": "control (no tools)" if control else "tools", "seed": seed, "acc_start": evals[0],
                      "acc_end": evals[-1], "rate_start": rate[0], "rate_end": sum(rate[-5:]) / len(rate[-5:]),
                      "reward_end": sum(m["rollout/reward"] for m in steps_[-5:]) / 5, "wall_s": wall})
@@ -50,9 +50,27 @@ def learning(seeds, steps: int, control: bool) -> list[dict]:
     return rows
 
 
-def throughput(prompts: int = 64, n: int = 8, rounds: int = 3) -> list[dict]:
+class Timed:
+    """An engine that records each request: (turn, prompt tokens, tokens generated, seconds)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.version = engine, [], 0
+
+    def generate(self, prompts, params, seeds):
+        t = time.perf_counter()
+        out = self.engine.generate(prompts, params, seeds)
+        self.calls.append((len(self.calls), sum(map(len, prompts)), int(out.lengths.sum()),
+                           time.perf_counter() - t))
+        return out
+
+    def close(self):
+        pass
+
+
+def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tuple[list[dict], list]:
     """Episodes (tools on, temperature 1) against single-turn generation of the same prompts
-    and budget, native engine, this process on all cores: episodes/s and model tokens/s."""
+    and budget, native engine, this process on all cores: episodes/s and model tokens/s; and the
+    best round's requests, turn by turn (each turn prefills its episodes' whole context again)."""
     import torch
 
     from utils.data import Tokenizer, multiply_rows
@@ -60,20 +78,21 @@ def throughput(prompts: int = 64, n: int = 8, rounds: int = 3) -> list[dict]:
     from utils.episodes import EnvArgs, Episodes, tokenize
     from utils.model import iter_checkpoint, read_config
 
-    model = os.path.join(ROOT, "assets", "tool-tiny")
     tok = Tokenizer(model)
     cfg = EnvArgs(tools=("utils.env:multiply",))
     cfg.check()
     rows = tokenize(multiply_rows("eval")[:prompts], tok, cfg, 32)[0]
     engine = NativeEngine(read_config(model), tok)
     engine.load_weights(iter_checkpoint(model))
-    episodes = Episodes(engine, cfg, tok, rows, 96)
+    timed = Timed(engine)
+    episodes = Episodes(timed, cfg, tok, rows, 96)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=96)
-    out = []
+    out, turns = [], []
     for name, eng, p in [("single-turn", engine, SamplingParams(n=n, temperature=1.0, max_new_tokens=48)),
                          ("episodes (tools)", episodes, params)]:
         best = None
         for r in range(rounds):
+            timed.calls = []
             t = time.perf_counter()
             got = eng.generate([x["ids"] for x in rows], p, list(range(r * prompts, (r + 1) * prompts)))
             dt = time.perf_counter() - t
@@ -85,9 +104,11 @@ def throughput(prompts: int = 64, n: int = 8, rounds: int = 3) -> list[dict]:
                      "calling": float((got.episode["tool_calls"] > 0).float().mean()) if got.episode else 0.0}
             if best is None or dt < best["s"]:
                 best = stats
+                if eng is episodes:
+                    turns = list(timed.calls)
         out.append(best)
     episodes.close()
-    return out
+    return out, turns
 
 
 if __name__ == "__main__":
@@ -96,6 +117,8 @@ if __name__ == "__main__":
     ap.add_argument("--control-seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--skip-learning", action="store_true")
+    ap.add_argument("--models", nargs="+", default=["assets/tool-tiny"],
+                    help="the throughput's models (e.g. a trained one too: runs/tools/final)")
     a = ap.parse_args()
     table = []
     if not a.skip_learning:
@@ -106,8 +129,13 @@ if __name__ == "__main__":
             print(f"{r['run']:<20} {r['seed']:>4} {r['acc_start']:>6.3f} -> {r['acc_end']:.3f} "
                   f"{r['rate_start']:>7.3f} -> {r['rate_end']:.3f} {r['reward_end']:>16.3f} "
                   f"{r['wall_s']:>7.0f}")
-    print(f"\n{'generation (64 prompts x 8)':<28} {'s':>6} {'episodes/s':>11} {'model tok/s':>12} "
-          f"{'turns':>6} {'calling':>8}")
-    for r in throughput():
-        print(f"{r['mode']:<28} {r['s']:>6.2f} {r['episodes_per_s']:>11.1f} "
-              f"{r['model_tokens_per_s']:>12.0f} {r['turns']:>6.2f} {r['calling']:>8.2f}")
+    for model in a.models:
+        rows, turns = throughput(os.path.join(ROOT, model))
+        print(f"\n{model + ': 64 prompts x 8':<36} {'s':>6} {'episodes/s':>11} {'model tok/s':>12} "
+              f"{'turns':>6} {'calling':>8}")
+        for r in rows:
+            print(f"{r['mode']:<36} {r['s']:>6.2f} {r['episodes_per_s']:>11.1f} "
+                  f"{r['model_tokens_per_s']:>12.0f} {r['turns']:>6.2f} {r['calling']:>8.2f}")
+        for turn, context, made, seconds in turns:
+            print(f"  episodes' request {turn}: {context} context tokens prefilled, {made} generated, "
+                  f"{seconds:.2f} s")

@@ -17,28 +17,28 @@ TOOL = ["--model", "assets/tool-tiny", "--dataset", "builtin:multiply", "--tools
 STEPS = [*TOOL, "--steps", "6", "--save-every", "3"]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+@pytest.fixture(scope="session")  # not module: pytest-xdist may run another file's test between its two
+def tool_straight(tmp_path_factory):
     """6 steps colocated on 2 ranks, uninterrupted: the reference of both comparisons."""
     path = str(tmp_path_factory.mktemp("tools"))
     torchrun(2, "train_grpo.py", *STEPS, "--run-dir", path)
     return path
 
 
-def test_colocate_equals_disaggregate_at_staleness_0_on_a_tool_task(straight, tmp_path):
+def test_colocate_equals_disaggregate_at_staleness_0_on_a_tool_task(tool_straight, tmp_path):
     """The rollout rank plays the episodes (its engine is wrapped, its tools run there) on the
     weights broadcast to it; each trainer's episodes are the ones a colocated engine plays, turn
     for turn with the same seeds: every non-timing metric agrees to rounding (tests/helpers/runs.py)."""
     dis = str(tmp_path / "dis")
     torchrun(3, "train_grpo.py", *STEPS, "--placement", "disaggregate", "--rollout-ranks", "1",
              "--run-dir", dis, timeout=300)
-    a, b = metrics(straight), metrics(dis)
+    a, b = metrics(tool_straight), metrics(dis)
     assert len(a) == 7 and differences_within(a, b) == []
     assert sum(r["episode/tool_calls"] for r in a[:6]) > 0  # episodes with a turn after a tool's reply
     assert all(r["placement/staleness_max"] == 0 for r in b[:6])
 
 
-def test_kill_9_mid_run_then_resume_is_exact_on_a_tool_task(straight, tmp_path):
+def test_kill_9_mid_run_then_resume_is_exact_on_a_tool_task(tool_straight, tmp_path):
     """Episodes keep no state across steps (each turn's seed comes from its prompt's), so a resume
     on the same ranks replays them bit for bit."""
     killed = str(tmp_path / "killed")
@@ -46,10 +46,10 @@ def test_kill_9_mid_run_then_resume_is_exact_on_a_tool_task(straight, tmp_path):
            "train_grpo.py", *STEPS, "--run-dir", killed]
     p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
     assert p.wait(timeout=120) != 0
-    assert len(metrics(killed)) < len(metrics(straight))
+    assert len(metrics(killed)) < len(metrics(tool_straight))
     out = torchrun(2, "train_grpo.py", *STEPS, "--resume", "auto", "--run-dir", killed).stdout
     assert "resumed from" in out
-    same_run(straight, killed)
+    same_run(tool_straight, killed)
 
 
 def test_ppo_runs_episodes_with_the_critic_on_the_models_tokens(tmp_path):
