@@ -36,10 +36,11 @@ from roles.reward_model import RewardModel
 from rollouts import DynamicSamplingArgs
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
                  step_metrics)
-from utils import algos, dist, episodes, memory
+from utils import algos, dist, episodes, lora, memory
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
 from utils.episodes import EnvArgs
+from utils.lora import LoraArgs
 from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.mismatch import Correction, MismatchArgs
@@ -122,6 +123,7 @@ class Args:
     compile: bool = False
     """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
     the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
+    lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
     engine: Literal["auto", "native", "vllm"] = "auto"
     """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
     layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
@@ -169,6 +171,7 @@ def check_args(args: Args, world: int):
     args.ds.check(args)
     args.correction.check()
     args.run.check()
+    args.lora.check()
     layout = args.layout.check(world, args.prompts_per_step)  # rollout ranks, staleness, the batch split
     args.balance.check(args, world, layout)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
@@ -299,9 +302,12 @@ if __name__ == "__main__":
                              max(len(r["ids"]) for r in rows), len(eval_rows)), flush=True)
     actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size,
-                  decay_steps=args.steps if args.lr_schedule == "linear" else 0, compile=args.compile)
+                  decay_steps=args.steps if args.lr_schedule == "linear" else 0, compile=args.compile,
+                  lora=args.lora, seed=args.run.seed)
     ref = None
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and args.lora.lora_rank:
+        ref = lora.Reference(actor)  # the actor with its adapters off: no second model
+    elif args.kl_coef > 0:
         ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature,
                         args.micro_batch_size)
     rm = None

@@ -36,10 +36,11 @@ from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
                  rollout_rank, step_metrics)
-from utils import algos, dist, episodes, memory
+from utils import algos, dist, episodes, lora, memory
 from utils.data import Tokenizer, check_same_tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
 from utils.episodes import EnvArgs
+from utils.lora import LoraArgs
 from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.model import read_config
@@ -114,6 +115,7 @@ class Args:
     compile: bool = False
     """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
     the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
+    lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
     engine: Literal["auto", "native", "vllm"] = "auto"
     """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
     layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
@@ -158,6 +160,7 @@ def check_args(args: Args, world: int):
                 "partial placement splits the rollout between a sampler and a judge, which is "
                 "train_grpo.py's")])
     args.run.check()
+    args.lora.check()
     args.env.check()
     layout = args.layout.check(world, args.prompts_per_step)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
@@ -293,12 +296,14 @@ if __name__ == "__main__":
                              max(len(r["ids"]) for r in rows), len(eval_rows), critic_dir), flush=True)
     actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size, decay_steps,
-                  compile=args.compile)
+                  compile=args.compile, lora=args.lora, seed=args.run.seed)
     critic = Critic(critic_dir, plan.mesh, device, args.critic_lr, args.warmup_steps, args.weight_decay,
                     args.max_grad_norm, args.value_clip, param_dtype, args.micro_batch_size, decay_steps,
                     compile=args.compile)
     ref = None
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and args.lora.lora_rank:
+        ref = lora.Reference(actor)  # the actor with its adapters off: no second model
+    elif args.kl_coef > 0:
         ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature,
                         args.micro_batch_size)
     rm = None

@@ -6,6 +6,8 @@ import torch
 
 from utils.data import micro_batches, take_rows
 from utils.dist import full_tensors, load_sharded, reduce, weight_specs
+from utils.lora import is_adapter, merged
+from utils.lora import scales as lora_scales
 from utils.model import completion_logprobs
 
 
@@ -21,12 +23,16 @@ def lr_factor(warmup_steps: int, decay_steps: int, step: int) -> float:
 class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
-                 micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False):
+                 micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False, lora=None,
+                 seed: int = 0):
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
         micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
         linearly to 0 over this many optimizer steps (0: constant after the warm-up); compile:
-        torch.compile each decoder block (utils.dist.shard)."""
-        self.model = load_sharded(path, mesh, device, param_dtype, compile=compile)
+        torch.compile each decoder block (utils.dist.shard); lora: utils.lora.LoraArgs (a rank
+        above 0: only adapters train, started from `seed`; engines get the merged weights)."""
+        self.model = load_sharded(path, mesh, device, param_dtype, compile=compile, lora=lora, seed=seed)
+        self.lora = lora if lora is not None and lora.lora_rank else None
+        self.scales = lora_scales(self.model) if self.lora else {}
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
         self.param_dtype = param_dtype
         self.config = self.model.config
@@ -35,20 +41,24 @@ class Actor:
         self.micro_batch_size = micro_batch_size
         # fused: one kernel for all parameters (the per-tensor loop cost 30 ms a step on the
         # 2.5M-param bench model, this 5)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
-                                     betas=(0.9, 0.99), fused=True)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=True)
         schedule = partial(lr_factor, warmup_steps, decay_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
 
     def full_weights(self, exact: bool = False):
         """(hf_name, full tensor) for the engine, gathered one FSDP2 block at a time in the
         training param dtype, each valid until the next is asked for (copy it); exact=True:
-        tensor by tensor in the fp32 master dtype, tensors of their own (exports)."""
+        tensor by tensor in the fp32 master dtype, tensors of their own (exports). With LoRA the
+        engine's stream (exact=False) carries the merged weights, W + (alpha / r) B A, and no
+        adapters; exact=True carries both as they are."""
+        if self.scales and not exact:
+            return merged(full_tensors(self.model, exact), self.scales)
         return full_tensors(self.model, exact)
 
     def weight_specs(self):
         """(hf_name, full shape, dtype) in `full_weights` order: what a remote engine must expect."""
-        return weight_specs(self.model, self.param_dtype)
+        return [s for s in weight_specs(self.model, self.param_dtype) if not is_adapter(s[0])]
 
     @torch.no_grad()
     def logprobs(self, batch):

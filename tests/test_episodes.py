@@ -138,6 +138,9 @@ def test_an_episode_rendered_turn_by_turn_is_the_whole_chat_rendered_at_once(tmp
         first_env = mask.index(0.0)
         assert tok.tok.decode(out.tokens[2 * i, first_env:first_env + 1].tolist()) == "\n"
         assert 0 < sum(mask) < L and mask[-1] == 1.0
+        # each token's policy version: the engine's (3) on the model's, -1 on the environment's
+        versions = out.token_versions[2 * i, :L].tolist()
+        assert versions == [3 if m else -1 for m in mask] and out.version == 3
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
@@ -310,3 +313,30 @@ def call_turn(tok, prompt, n):
     ids = tok.encode(tool_call_text(a, b), special=False) + [min(tok.eos_ids)]
     ids = torch.tensor([ids] * n)
     return Samples(ids, torch.zeros(ids.shape), torch.full((n,), ids.shape[1]), ["stop"] * n, [""] * n, 0)
+
+
+class Broken:
+    """An environment whose step returns the wrong shape."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        return "done"
+
+
+class Slow(Broken):
+    def step(self, text):
+        import time
+
+        time.sleep(30)
+
+
+def test_an_environment_that_breaks_its_contract_is_named_one_that_hangs_ends_its_episode(tmp_path):
+    tok = tokenizer(tmp_path)
+    eps, rows = episodes(tok, lambda text, turn: "1", tools=(), env=f"{__name__}:Broken")
+    with pytest.raises(UserError, match=r"Broken: step\(text\) returned 'done'; it returns \(a list"):
+        eps.generate([rows[0]["ids"]], SamplingParams(n=1, max_new_tokens=8), [0])
+    eps, rows = episodes(tok, lambda text, turn: "1", tools=(), env=f"{__name__}:Slow", env_timeout_s=0.5)
+    out = eps.generate([rows[0]["ids"]], SamplingParams(n=2, max_new_tokens=8), [0])
+    assert out.finish_reasons == ["env_error"] * 2 and out.episode["stop/env_error"].tolist() == [1.0, 1.0]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from utils.errors import UserError
 
@@ -54,6 +54,9 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+TRAINED = StateDictOptions(ignore_frozen_params=True)
 
 
 def _dir(run_dir: str) -> str:
@@ -90,9 +93,12 @@ def is_complete(path: str) -> bool:
 
 
 def _state(actor, critic) -> dict:
-    """The tensors DCP saves and loads: the actor's model and optimizer, and the critic's."""
-    model_sd, optim_sd = get_state_dict(actor.model, actor.opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    """The tensors DCP saves and loads: the actor's model and optimizer, and the critic's. Frozen
+    parameters are left out (LoRA's base: it is --model's, read at start)."""
+    model_sd, optim_sd = get_state_dict(actor.model, actor.opt, options=TRAINED)
+    # a tied head shares the (frozen) embedding, but DCP lists it under its own name: leave it out too
+    frozen = {n for n, p in actor.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd}
     if critic is not None:
         model_sd, optim_sd = get_state_dict(critic.model, critic.opt)
         state.update(critic_model=model_sd, critic_optim=optim_sd)
@@ -129,6 +135,7 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
         return {"seconds": time.perf_counter() - t, "path": None, "error": error or "failed on another rank"}
     if rank == 0:
         meta = {"step": step, "scheduler": actor.sched.state_dict(), "model": actor.config.to_hf(),
+                "lora": _lora(actor),
                 "world": dist.get_world_size(actor.group), **(extra or {})}
         if critic is not None:
             meta.update(critic_scheduler=critic.sched.state_dict(), critic=critic.config.to_hf())
@@ -162,9 +169,19 @@ def export_hf(actor, path: str, rank: int, tokenizer_dir: str):
     per-tensor gathers, rank 0 writes."""
     from utils.model import save_model
 
+    if actor.lora:  # a PEFT adapter directory, or the merged model (--merge-on-export)
+        from utils import lora
+
+        return lora.export(actor, path, rank, tokenizer_dir, actor.lora, tokenizer_dir)
     weights = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
     if rank == 0:
         save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
+
+
+def _lora(actor) -> dict | None:
+    """What a checkpoint's adapters are (their shapes and scale): a resume must ask for the same."""
+    cfg = actor.lora
+    return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets} if cfg else None
 
 
 def _same_shape(path: str, theirs: dict, ours: dict, flag: str):
@@ -178,7 +195,9 @@ def _same_shape(path: str, theirs: dict, ours: dict, flag: str):
 
 def _restore(role, model_sd, optim_sd, scheduler: dict):
     impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in role.opt.param_groups]
-    set_state_dict(role.model, role.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    # strict=False: the frozen tensors are not in it (dcp.load checked every tensor that is, was read)
+    set_state_dict(role.model, role.opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     for g, flags in zip(role.opt.param_groups, impl):  # how to step is ours, not the checkpoint's
         g.update(flags)  # (one saved before fused AdamW would turn it off)
     role.sched.load_state_dict(scheduler)
@@ -190,6 +209,10 @@ def load(path: str, actor, rank: int, critic=None) -> dict:
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     _same_shape(path, meta["model"], actor.config.to_hf(), "--model")
+    ours = _lora(actor)
+    if meta.get("lora") != ours:
+        raise UserError(f"checkpoint {path} was trained with LoRA {meta.get('lora')}, this run asks for "
+                        f"{ours}: resume with the --lora-* flags it was trained with, or a new --run-dir")
     if critic is not None and "critic" not in meta:
         raise UserError(f"checkpoint {path} has no critic (a GRPO run's?): resume PPO from a PPO run's "
                         "checkpoint, or start a new --run-dir")

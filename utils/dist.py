@@ -83,11 +83,15 @@ def shard(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, co
 
 
 def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, lora=None, seed: int = 0):
     """Build on meta, shard with FSDP2, allocate only this rank's shards, then copy each
     checkpoint tensor's slice in (torchtitan's order: no rank ever holds a full model).
     value_head: a value model with one score: a score checkpoint's own head, or a causal
-    checkpoint's decoder with a zero head (every value starts at 0, as the critic's baseline)."""
+    checkpoint's decoder with a zero head (every value starts at 0, as the critic's baseline).
+    lora: utils.lora.LoraArgs with a rank: adapters added before sharding (in the same FSDP units
+    as their base), started from `seed`; every other parameter frozen."""
+    from utils import lora as lora_lib
+
     from utils.model import Transformer, iter_checkpoint, load_state, read_config
 
     cfg = read_config(path)
@@ -98,10 +102,16 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head:
         raise UserError(f"{path} scores {cfg.num_labels} labels; a value model needs one")
     with torch.device("meta"):
         model = Transformer(cfg)
+    adapters = ()
+    if lora is not None and lora.lora_rank:
+        lora_lib.add(model, lora)
+        adapters = tuple(n for n, _ in model.named_parameters() if lora_lib.is_adapter(n))
     shard(model, mesh, param_dtype=param_dtype, compile=compile)
     model.to_empty(device=device)
     model.init_buffers()
-    load_state(model, iter_checkpoint(path), may_lack=("score.weight",) if fresh_head else ())
+    load_state(model, iter_checkpoint(path), may_lack=("score.weight",) if fresh_head else adapters)
+    if adapters:
+        load_state(model, lora_lib.initial(model, seed), strict=False)
     if fresh_head:
         with torch.no_grad():
             model.score.weight.zero_()

@@ -196,6 +196,9 @@ class Episodes:
             for j in range(params.n):
                 env = self.make_env()
                 history = self._call(env, "reset", row)
+                if history is not None and not (isinstance(history, list) and history):
+                    raise UserError(f"--env {self.cfg.env}: reset(row) returned {str(history)[:80]!r}; it "
+                                    "returns the opening chat messages, a list of {'role', 'content'}")
                 ep = Episode(env, history or [], list(p), seed, j, len(p), [], [], [])
                 if history is None:
                     ep.stop = "env_error"
@@ -242,6 +245,9 @@ class Episodes:
         if got is None:
             e.stop = "env_error"
             return
+        if not (isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], list)):
+            raise UserError(f"--env {self.cfg.env}: step(text) returned {str(got)[:80]!r}; it returns (a "
+                            "list of new messages, a reward, whether the episode is over)")
         messages, reward, done = got
         e.reward += float(reward)
         if done:

@@ -1,7 +1,7 @@
-"""A picture of a run from its metrics.jsonl: the training reward, held-out accuracy (and the
-share of episodes that call a tool, with --tools),
-response length and each phase's seconds per step, written to run_dir/curves.png (at the end
-of every run, and on demand). matplotlib is optional: without it this says how to get it.
+"""A picture of a run from its metrics.jsonl: the training reward, held-out accuracy (and, with
+--tools, the share of episodes that call a tool), response length and each phase's seconds per
+step, written to run_dir/curves.png (at the end of every run, and on demand). matplotlib is
+optional: without it this says how to get it.
 
     python -m utils.plot runs/grpo
 """

@@ -59,10 +59,22 @@ def sft_batch(rows, tok: Tokenizer, eos: int):
         p, a = tok.encode(r["prompt"]), tok.encode(r["answer"]) + [eos]
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
+    return padded(seqs, masks, eos)
+
+
+def padded(seqs, masks, eos: int):
+    """Id lists and their loss masks -> right-padded ids [B, L] (EOS after each end), masks [B, L]."""
     L = max(map(len, seqs))
     x = torch.tensor([s + [eos] * (L - len(s)) for s in seqs])
     m = torch.tensor([s + [0] * (L - len(s)) for s in masks], dtype=torch.float32)
     return x, m
+
+
+def masked_nll(model, x, m):
+    """(the summed next-token NLL of x's tokens where m is 1, their count): x, m [B, L]."""
+    logits = model(x[:, :-1])  # [B, L-1, V]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # [B, L-1]
+    return (nll * m[:, 1:]).sum(), m[:, 1:].sum()
 
 
 def warm_start(path: str, steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, log_every: int = 250):
@@ -78,11 +90,8 @@ def warm_start(path: str, steps: int, batch: int = 64, lr: float = 1e-3, seed: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
-        x, m = sft_batch(rng.sample(rows, batch), tok, eos)
-        logits = model(x[:, :-1])  # [B, L-1, V]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:],
-                                                reduction="none")  # [B, L-1]
-        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+        nll, count = masked_nll(model, *sft_batch(rng.sample(rows, batch), tok, eos))
+        loss = nll / count
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -167,10 +176,7 @@ def judge_batch(examples, tok: Tokenizer, eos: int, verdicts: dict):
             m = [int(span[0] <= start and end <= span[1]) for start, end in enc.offsets]
         seqs.append(p + v)
         masks.append(m + [1] * len(v))
-    L = max(map(len, seqs))
-    x = torch.tensor([s + [eos] * (L - len(s)) for s in seqs])
-    m = torch.tensor([s + [0] * (L - len(s)) for s in masks], dtype=torch.float32)
-    return x, m
+    return padded(seqs, masks, eos)
 
 
 @torch.no_grad()
@@ -218,11 +224,8 @@ def judge_checkpoint(path: str, seed: int = 0, sft_steps: int = 2400, batch: int
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, sft_steps), pct_start=0.05)
     t0 = time.time()
     for step in range(sft_steps):
-        x, m = judge_batch(judge_examples(train, batch, rng), tok, eos, verdicts)
-        logits = model(x[:, :-1])  # [B, L-1, V]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:],
-                                                reduction="none")  # [B, L-1]
-        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+        nll, count = masked_nll(model, *judge_batch(judge_examples(train, batch, rng), tok, eos, verdicts))
+        loss = nll / count
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -322,13 +325,8 @@ def tool_checkpoint(path: str, seed: int = 0, sft_steps: int = 2000, batch: int 
             part = [s for s, c in zip(seqs, calls) if c == kind]
             if not part:
                 continue
-            L = max(len(ids) for ids, _ in part)
-            x = torch.tensor([ids + [eos] * (L - len(ids)) for ids, _ in part])
-            m = torch.tensor([mask + [0] * (L - len(mask)) for _, mask in part], dtype=torch.float32)
-            logits = model(x[:, :-1])  # [B, L-1, V]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:],
-                                                    reduction="none")  # [B, L-1]
-            loss = (nll * m[:, 1:]).sum() / total
+            nll, _ = masked_nll(model, *padded([ids for ids, _ in part], [mask for _, mask in part], eos))
+            loss = nll / total
             loss.backward()
         opt.step()
         sched.step()
