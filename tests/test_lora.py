@@ -1,6 +1,7 @@
 """LoRA (utils/lora.py): adapters on our model, only they train under FSDP2, the engine gets the
 merged weights, the reference is the actor with adapters off, checkpoints hold the adapters and
 resume exactly, and the export loads in transformers + peft (or merged, in transformers alone)."""
+import importlib.util
 import os
 import shutil
 import sys
@@ -163,3 +164,16 @@ def test_ppo_with_a_lora_actor_runs(tmp_path):
     rows = [r for r in metrics(run) if not r.get("final")]
     assert len(rows) >= 2 and all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
     assert os.path.isfile(os.path.join(run, "final", "adapter_model.safetensors"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_vllm_follows_a_lora_policy_through_the_merged_weights(tmp_path):
+    """vLLM (in the rank's process) gets W + (alpha/r) B A after each of three updates: the log-probs
+    it reports for its samples are the trainer's (the LoRA forward) within 1e-4."""
+    run = str(tmp_path / "v")
+    flags = [f for f in TINY if f not in ("--eval-every", "2", "--eval-prompts", "8")]
+    torchrun(2, "train_grpo.py", *flags, *LORA, "--engine", "vllm", "--eval-every", "0", "--run-dir", run,
+             timeout=600)
+    rows = [r for r in metrics(run) if not r.get("final")]
+    assert len(rows) == 3 and all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
+    assert rows[-1]["perf/sync_bytes"] > 0

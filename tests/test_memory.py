@@ -70,6 +70,22 @@ def test_the_plan_follows_the_layout():
     assert estimate(cfg, "colocate", 8, 0, gpu)["trainer"].phases["generate"] == {"vllm_pool": 40 * GIB}
 
 
+def test_the_plan_knows_lora():
+    """LoRA: moments and gradients for the adapters only, no reference copy (the actor, adapters off)."""
+    from utils.lora import LoraArgs, count
+
+    cfg = ModelConfig(**MID)
+    L = count(cfg, LoraArgs(lora_rank=16))
+    full = Workload(param_bytes=2, micro_batch=4, prompt_len=64, new_tokens=256, rows=8, gen_rows=8,
+                    reference=True, packed_decode=False)
+    lora = Workload(**{**full.__dict__, "lora_params": L})
+    a, b = estimate(cfg, "colocate", 2, 0, full)["trainer"], estimate(cfg, "colocate", 2, 0, lora)["trainer"]
+    P = cfg.num_params()
+    assert 0 < L < P / 10 and b.held == {"weights": 4 * (P + L) // 2, "adam": 8 * L // 2}
+    assert a.held["reference"] == 4 * P // 2 and b.phases["train"]["grads"] == 4 * L // 2
+    assert b.total() < a.total()
+
+
 def test_the_peak_is_what_is_held_and_the_largest_phase():
     need = Need({"a": 3}, {"x": {"b": 1, "c": 4}, "y": {"d": 2}})
     assert need.total() == 3 + 5

@@ -95,6 +95,19 @@ def add(model, cfg: LoraArgs) -> Switch:
     return switch
 
 
+def count(cfg, args: LoraArgs) -> int:
+    """The adapter parameters --lora-* gives a model of config `cfg`: r (in + out) per target per
+    block (0 with LoRA off)."""
+    if not args.lora_rank:
+        return 0
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h)}
+    per_block = sum(sum(shapes[t]) for t in args.targets())
+    return cfg.num_hidden_layers * args.lora_rank * per_block
+
+
 def is_adapter(name: str) -> bool:
     return name.endswith((".lora_A", ".lora_B"))
 

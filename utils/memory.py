@@ -6,16 +6,18 @@ A rank holds some memory for the whole run and the rest one phase at a time (the
 its weights before training: `release`), so its peak is held + the largest phase. In bytes, for
 P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of the param dtype:
 - held: the fp32 master shards and Adam's two moments, 4 + 8 bytes per parameter over d; the
-  reference and reward model's fp32 shards; PPO's critic's own shards and moments.
-- train: the gradient shards (4 P / d; with a single micro-batch, the larger of them and the
+  reference and reward model's fp32 shards; PPO's critic's own shards and moments. With LoRA
+  (L adapter parameters): the base and the adapters' shards, 4 (P + L) / d, moments for the
+  adapters only, 8 L / d, and no reference (it is the actor with its adapters off).
+- train: the gradient shards (4 P / d, LoRA 4 L / d; with a single micro-batch, the larger of them and the
   activations, which the backward frees as it makes the gradients), what FSDP2 holds unsharded
   in p (the root's own parameters: embeddings, head, final norm; and two decoder blocks, the
   current and the prefetched one), what one micro-batch's forward keeps for its backward (per
   token and layer, in p: the residual input, the normalised input and its scaled copy, twice (6
   h); q three times (projection, rotated half, after RoPE) and the attention output twice (5 q);
   k three times and v once (4 kv); the MLP's gate, its SiLU, up and their product (4 i):
-  measured on CPU within 10% of what autograd keeps), and the logits [tokens, V] in fp32 three
-  times.
+  measured on CPU within 10% of what autograd keeps; LoRA's x A^T adds r per linear, left out),
+  and the logits [tokens, V] in fp32 three times.
 - generate: the engine's full copy of the weights in p; on CPU in fp32 the native engine's
   oneDNN-packed decode copy (`FusedDecoder.prepare`: the same size again); its KV cache
   [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p. vLLM on a GPU instead
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from utils import lora
 from utils.model import ModelConfig, read_config
 
 GIB = 2**30
@@ -52,6 +55,7 @@ class Workload:
     device_bytes: int = 0
     packed_decode: bool = True  # the native engine on CPU in fp32 keeps a packed copy
     bucket_bytes: int = 64 * 2**20  # --sync-bucket-mb (disaggregate)
+    lora_params: int = 0  # LoRA's adapter parameters (utils.lora.count); 0: the full model trains
 
 
 @dataclass
@@ -81,7 +85,8 @@ def training(cfg: ModelConfig, d: int, w: Workload, seq: int) -> dict[str, int]:
     tokens = min(w.micro_batch, w.rows) * seq
     head = cfg.num_labels if cfg.scores else cfg.vocab_size
     parts = {"gathered": (root + 2 * cfg.layer_params()) * w.param_bytes, "logits": 3 * tokens * head * 4}
-    grads, kept = 4 * P // d, tokens * activations_per_token(cfg) * w.param_bytes
+    trained = w.lora_params if w.lora_params and not cfg.scores else P  # a critic trains in full
+    grads, kept = 4 * trained // d, tokens * activations_per_token(cfg) * w.param_bytes
     if w.rows > w.micro_batch:  # earlier micro-batches' gradients wait while the next one's activations live
         parts.update(grads=grads, activations=kept)
     else:  # one micro-batch: its backward frees the activations as it makes the gradients
@@ -103,8 +108,10 @@ def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) ->
     rank generates for dp / rollout trainers at once)."""
     seq = w.prompt_len + w.new_tokens
     P = cfg.num_params()
-    trainer = Need({"weights": 4 * P // dp, "adam": 8 * P // dp}, {"train": training(cfg, dp, w, seq)})
-    if w.reference:
+    L = w.lora_params
+    trainer = Need({"weights": 4 * (P + L) // dp, "adam": 8 * (L or P) // dp},
+                   {"train": training(cfg, dp, w, seq)})
+    if w.reference and not L:  # LoRA's reference is the actor with its adapters off
         trainer.held["reference"] = 4 * P // dp
     if w.reward_model is not None:
         trainer.held["reward_model"] = 4 * w.reward_model.num_params() // dp
@@ -158,7 +165,8 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
                  judge_len=prompt_len + args.max_new_tokens + 512  # the judge template's own words
                  + (judge_args.judge_max_new_tokens if judge_args else 0),
                  vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.layout.sync_bucket_mb * 2**20),
-                 device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0)
+                 device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0,
+                 lora_params=lora.count(cfg, args.lora))
     return describe(estimate(cfg, mode, dp, rollout, w))
 
 
