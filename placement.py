@@ -258,23 +258,35 @@ def sync(plan: Plan, actor, engine, version: int, timer=None) -> dict:
 def _sync(plan: Plan, actor, engine, version: int) -> dict:
     t = time.perf_counter()
     stats = {"sync_gather_s": 0.0, "sync_bytes": 0}
-    weights = _measured(actor.full_weights(), stats)
     engine.version = version
     if plan.mode in ("colocate", "partial"):
         # straight into this rank's own engine (partial: a judge rank's takes none)
-        engine.load_weights(weights)
-    else:
-        # every trainer tells its rollout rank that a version is coming; trainer 0 broadcasts it in
-        # buckets to all rollout ranks; the others only join the gathers that produce it
-        engine.announce_weights()
-        if plan.rank == 0:
-            engine.broadcast_weights(weights)
-        else:
-            for _ in weights:
-                pass
+        engine.load_weights(_measured(actor.full_weights(), stats))
+        return {"sync_s": time.perf_counter() - t, **stats}
+    # LoRA with native rollout engines: the base weights once, unmerged, then at every sync the
+    # adapters alone, which the rollout ranks merge into their base (vLLM ones take merged weights)
+    lora_native = bool(actor.scales) and engine.native
+    if not (lora_native and engine.has_base):
+        _broadcast(plan, engine, _measured(actor.full_weights(base=lora_native), stats))
+        engine.has_base = lora_native
+    if lora_native:
+        adapters = (actor.adapter_specs(), actor.scales)
+        _broadcast(plan, engine, _measured(actor.adapter_weights(), stats), adapters)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
     return {"sync_s": time.perf_counter() - t, **stats}
+
+
+def _broadcast(plan: Plan, engine, weights, adapters: tuple | None = None):
+    """disaggregate: every trainer tells its rollout rank that a version is coming (or LoRA's
+    adapters: their specs and scales); trainer 0 broadcasts it in buckets to all rollout ranks,
+    the others only join the gathers that produce it."""
+    engine.announce_weights(adapters)
+    if plan.rank == 0:
+        engine.broadcast_weights(weights, adapters is not None)
+    else:
+        for _ in weights:
+            pass
 
 
 def _measured(weights, stats: dict):

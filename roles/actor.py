@@ -46,15 +46,31 @@ class Actor:
         schedule = partial(lr_factor, warmup_steps, decay_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
 
-    def full_weights(self, exact: bool = False):
+    def full_weights(self, exact: bool = False, base: bool = False):
         """(hf_name, full tensor) for the engine, gathered one FSDP2 block at a time in the
         training param dtype, each valid until the next is asked for (copy it); exact=True:
         tensor by tensor in the fp32 master dtype, tensors of their own (exports). With LoRA the
         engine's stream (exact=False) carries the merged weights, W + (alpha / r) B A, and no
-        adapters; exact=True carries both as they are."""
+        adapters; exact=True carries both as they are; base=True the base weights alone, unmerged
+        (then `adapter_weights`: a disaggregated native engine merges them itself)."""
+        if self.scales and base:
+            return ((name, t) for name, t in full_tensors(self.model, exact) if not is_adapter(name))
         if self.scales and not exact:
             return merged(full_tensors(self.model, exact), self.scales)
         return full_tensors(self.model, exact)
+
+    def adapter_weights(self):
+        """LoRA: (name, full tensor) of each adapter in the training param dtype, gathered one
+        tensor at a time (every trainer iterates in step)."""
+        for name, p in self.model.named_parameters():
+            if is_adapter(name):
+                t = p.detach()
+                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).to(self.param_dtype)
+
+    def adapter_specs(self):
+        """(name, full shape, dtype) in `adapter_weights` order."""
+        return [(name, tuple(p.shape), self.param_dtype) for name, p in self.model.named_parameters()
+                if is_adapter(name)]
 
     def weight_specs(self):
         """(hf_name, full shape, dtype) in `full_weights` order: what a remote engine must expect."""

@@ -30,6 +30,7 @@ class Weights:
     version: int
     specs: list  # (hf_name, shape, dtype) in broadcast order
     bucket_bytes: int
+    adapters: dict | None = None  # LoRA, adapters only: {module: alpha / r}; the specs are lora_A/B's
 
 
 @dataclass
@@ -68,6 +69,8 @@ class RemoteEngine:
         self.seen = {}  # the totals at the last `take_stats`
         self.bufs = {}  # trainer 0's bucket buffers, kept across syncs
         self.transfer = None  # trainer 0, vLLM rollout engines: its end of their transfer group
+        self.native = False  # the rollout ranks' engines are native (agree_on_transfer): LoRA syncs adapters
+        self.has_base = False  # LoRA, native: the rollout ranks hold the base weights, adapters may follow
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
@@ -80,20 +83,26 @@ class RemoteEngine:
         except RuntimeError as e:
             raise self._fail(e, f"taking a {type(msg).__name__} message") from e
 
-    def announce_weights(self):
-        """Every trainer: tell the rollout rank that policy `self.version` comes next. It is sent
-        after every reply still due, because the rollout rank serves in order."""
+    def announce_weights(self, adapters: tuple | None = None):
+        """Every trainer: tell the rollout rank that policy `self.version` comes next (LoRA's
+        adapters only: `adapters` = (their specs, {module: scale})). It is sent after every reply
+        still due, because the rollout rank serves in order."""
         self.collect()
-        self._send(Weights(self.version, self.specs, self.bucket_bytes))
+        if adapters is None:
+            self._send(Weights(self.version, self.specs, self.bucket_bytes))
+        else:
+            self._send(Weights(self.version, adapters[0], self.bucket_bytes, adapters[1]))
+            self.adapter_buckets = dist.plan_buckets(adapters[0], self.bucket_bytes)
 
-    def broadcast_weights(self, weights):
+    def broadcast_weights(self, weights, adapters: bool = False):
         """Trainer 0 only: the (name, tensor) stream, in buckets, to every rollout rank."""
         try:
             if self.transfer is not None:
                 self.transfer.send(weights)
             else:
                 group, device = self.plan.weight_group, self.plan.device
-                dist.broadcast_buckets(weights, self.buckets, 0, group, device, self.bufs)
+                buckets = self.adapter_buckets if adapters else self.buckets
+                dist.broadcast_buckets(weights, buckets, 0, group, device, self.bufs)
         except RuntimeError as e:
             raise self._fail(e, "the weights were broadcast to it") from e
 
@@ -220,7 +229,11 @@ def receive(plan, engine, msg: Weights, bufs: dict):
         return
     buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
     shapes = {name: shape for name, shape, _ in msg.specs}
-    engine.load_weights(dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs))
+    weights = dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs)
+    if msg.adapters:
+        engine.load_adapters(weights, msg.adapters)
+    else:
+        engine.load_weights(weights)
 
 
 def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
@@ -229,9 +242,14 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
     process) takes it through vLLM's weight-transfer layer, straight into its worker: trainer 0
     opens that group (gloo on CPU, vLLM's nccl on GPU), sends its rendezvous to the rollout
     ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
-    if plan.role == "trainer" and plan.rank != 0:
-        return  # only trainer 0 sends weights
     try:
+        # every rank learns what the rollout ranks' engines are (LoRA then syncs adapters to native ones)
+        kind = [getattr(engine, "backend", None) if plan.rank == plan.layout.dp else None]
+        torch.distributed.broadcast_object_list(kind, src=plan.layout.dp)
+        if plan.role == "trainer":
+            engine.native = kind[0] is None
+        if plan.role == "trainer" and plan.rank != 0:
+            return  # only trainer 0 sends weights
         _open_transfer(plan, engine, specs, bucket_bytes)
     except RuntimeError as e:
         if plan.role == "rollout":  # trainer 0 stopped (on a mistake it reports, or it died): nothing to add
@@ -244,7 +262,7 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
 def _open_transfer(plan, engine, specs, bucket_bytes: int):
     said = [getattr(engine, "backend", None)]  # a rollout rank's vLLM engine names its backend
     torch.distributed.broadcast_object_list(said, src=plan.layout.dp, group=plan.weight_group)
-    if said[0] is None:
+    if said[0] is None:  # native engines: LoRA can send them the adapters alone
         return
     info = [None]
     if plan.rank == 0:

@@ -22,6 +22,7 @@ LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "3e-3"]
 
 
 def test_with_b_zero_the_model_is_the_base_and_merging_equals_the_adapters():
+    torch.manual_seed(0)
     base = load_model("assets/arith-tiny")
     model = load_model("assets/arith-tiny")
     add(model, LoraArgs(lora_rank=4, lora_alpha=8.0))
@@ -29,7 +30,7 @@ def test_with_b_zero_the_model_is_the_base_and_merging_equals_the_adapters():
     with torch.no_grad():
         for name, t in initial(model, seed=1):
             params[name].copy_(t)
-    x = torch.randint(1, 500, (3, 9))
+    x = torch.randint(1, 500, (3, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(x), base(x))  # B = 0: x A^T B^T adds exact zeros
         for name, p in params.items():
@@ -38,7 +39,9 @@ def test_with_b_zero_the_model_is_the_base_and_merging_equals_the_adapters():
         adapted = model(x)
         merged_model = load_model("assets/arith-tiny")
         merged_model.load_state_dict(dict(merged(model.state_dict().items(), scales(model))), strict=False)
-        assert (merged_model(x) - adapted).abs().max() < 1e-5
+        # W + s B A rounded to fp32 once against the two products apart: a few fp32 eps per layer's
+        # output, through 4 layers to logits of size ~5 (measured up to 1.2e-5)
+        assert (merged_model(x) - adapted).abs().max() < 1e-4
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {n for n in params if n.endswith(("lora_A", "lora_B"))}
     assert len(trainable) == 4 * 7 * 2  # 4 layers, 7 linears, A and B
@@ -177,3 +180,22 @@ def test_vllm_follows_a_lora_policy_through_the_merged_weights(tmp_path):
     rows = [r for r in metrics(run) if not r.get("final")]
     assert len(rows) == 3 and all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
     assert rows[-1]["perf/sync_bytes"] > 0
+
+
+def test_disaggregated_native_engines_get_the_base_once_then_only_adapter_bytes(tmp_path):
+    """3 ranks (2 trainers, 1 native rollout rank): the first sync sends the base weights, unmerged,
+    and the adapters; every later one the adapters alone (r (in + out) fp32 values per target), which
+    the rollout rank merges into its base: its log-probs stay the trainer's within 1e-4."""
+    from utils.lora import count
+    from utils.model import read_config
+
+    run = str(tmp_path / "dis")
+    flags = [f for f in TINY if f not in ("--steps", "3")]
+    torchrun(3, "train_grpo.py", *flags, *LORA, "--steps", "4", "--placement", "disaggregate",
+             "--rollout-ranks", "1", "--run-dir", run)
+    rows = [r for r in metrics(run) if not r.get("final")]
+    cfg = read_config("assets/arith-tiny")
+    adapter_bytes = 4 * count(cfg, LoraArgs(lora_rank=8))
+    base_bytes = 4 * cfg.num_params()  # a tied head counted once, as it is sent
+    assert [r["perf/sync_bytes"] for r in rows] == [base_bytes + adapter_bytes] + [adapter_bytes] * 3
+    assert all(r["train/logprob_gap_max"] < 1e-4 for r in rows)

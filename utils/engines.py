@@ -124,6 +124,25 @@ class NativeEngine(Engine):
         self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
         load_state(self.model, weights)
 
+    def load_adapters(self, adapters, scales: dict):
+        """LoRA (disaggregate): after a full load of the *base* weights, take only the adapters,
+        (name, tensor) pairs of lora_A and lora_B, and set each adapted weight to base + scale B A
+        (in fp32, as utils.lora.merged does). The base of each adapted weight is kept, once."""
+        if not hasattr(self, "base"):
+            params = dict(self.model.named_parameters())
+            self.base = {prefix: params[f"{prefix}.weight"].detach().clone() for prefix in scales}
+        params, held = dict(self.model.named_parameters()), {}
+        self.needs_prepare = True
+        with torch.no_grad():
+            for name, t in adapters:
+                prefix, _, leaf = name.rpartition(".")
+                if leaf == "lora_A":
+                    held[prefix] = t.clone()
+                    continue
+                w = self.base[prefix]
+                merged = w.float() + scales[prefix] * (t.float() @ held.pop(prefix).float())
+                params[f"{prefix}.weight"].copy_(merged.to(w.dtype))
+
     def release(self):
         """Drop weights (the KV cache lives only inside generate)."""
         self.model = self.decoder = None
