@@ -50,10 +50,12 @@ if __name__ == "__main__":
     best = max(sweep, key=lambda r: r["acc"])["lr"]
     rows = sweep + [run(a.steps, s, best, a.rank) for s in a.seeds[1:]]
     rows += [run(a.steps, s, a.full_lr, 0) for s in a.seeds]
-    print(f"\n{'mode':<10} {'lr':>7} {'seed':>4} {'held-out acc':>12} {'train s/step':>12} {'peak added GiB':>14}")
+    print(f"\n{'mode':<10} {'lr':>7} {'seed':>4} {'held-out acc':>12} {'train s/step':>12} "
+          f"{'peak added GiB':>14}")
     for r in rows:
         print(f"{r['mode']:<10} {r['lr']:>7.0e} {r['seed']:>4} {r['acc']:>12.3f} {r['train_s']:>12.3f} "
               f"{r['peak_gib']:>14.3f}")
     for mode, lr in ((f"LoRA r={a.rank}", best), ("full", a.full_lr)):
         accs = [r["acc"] for r in rows if r["mode"] == mode and r["lr"] == lr]
-        print(f"{mode} at lr {lr:g}: mean held-out accuracy {statistics.mean(accs):.3f} over {len(accs)} seeds")
+        mean = statistics.mean(accs)
+        print(f"{mode} at lr {lr:g}: mean held-out accuracy {mean:.3f} over {len(accs)} seeds")
