@@ -39,8 +39,8 @@ class DataArgs:
     """the policy's Hugging Face checkpoint: a local directory (config.json, *.safetensors,
     tokenizer.json) or a hub id (ORG/NAME, downloaded into the hub's cache; needs the network)"""
     dataset: str = BUILTIN
-    """'builtin:arith', 'builtin:multiply' (a task that needs its tool, docs/tools.md), a local .jsonl/.json/
-    .parquet file, or a hub dataset id"""
+    """'builtin:arith', 'builtin:multiply' (a task that needs its tool: docs/tools.md), a local
+    .jsonl/.json/.parquet file, or a hub dataset id"""
     prompt_column: str = "prompt"
     """dataset column holding the prompt (a string or a list of chat messages)"""
     answer_column: str | None = "answer"
@@ -154,6 +154,7 @@ def parse(flags_class, check_args):
     one line, `error: ...` (RL_DEBUG=1: a traceback)."""
     args = errors.cli(flags_class)
     errors.install()
+    errors.RUN_DIR = getattr(getattr(args, "run", None), "run_dir", None)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     return args
 

@@ -84,6 +84,7 @@ def test_a_dead_node_fails_the_other_clearly_and_soon(tmp_path):
     out = open(log).read()
     assert code != 0 and seconds < timeout_s, (code, seconds)
     assert "error: (rank 0) another rank stopped answering in a collective: it died, its node went" in out
+    assert f"The newest complete checkpoint, {run}/checkpoints/step_" in out  # named, as it is
     assert "[rank0]: Traceback" not in out, out[-3000:]  # our line, not a trace
     p = torchrun(2, "train_grpo.py", *TINY, "--steps", "8", "--resume", "auto", "--run-dir", run)
     assert "resumed from" in p.stdout and os.path.isdir(os.path.join(run, "final")), p.stdout[-2000:]

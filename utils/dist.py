@@ -91,7 +91,6 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head:
     lora: utils.lora.LoraArgs with a rank: adapters added before sharding (in the same FSDP units
     as their base), started from `seed`; every other parameter frozen."""
     from utils import lora as lora_lib
-
     from utils.model import Transformer, iter_checkpoint, load_state, read_config
 
     cfg = read_config(path)

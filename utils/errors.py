@@ -142,6 +142,21 @@ def _peer_met_mistake() -> bool:
         return False
 
 
+RUN_DIR = None  # the run's --run-dir (run.parse sets it): the lost-peer line names its newest checkpoint
+
+
+def _newest() -> str:
+    """Where a lost peer leaves the run: its newest complete checkpoint, or none."""
+    if RUN_DIR is None:
+        return "The newest complete checkpoint in --run-dir is intact: --resume auto goes on from it."
+    from utils.checkpoint import find
+
+    path = find(RUN_DIR)[0]
+    if path is None:
+        return "No checkpoint was saved: a new launch starts afresh."
+    return f"The newest complete checkpoint, {path}, is intact: --resume auto goes on from it."
+
+
 def _report(kind, error, tb):
     # to the real stderr: torch.distributed wraps this hook with one that buffers sys.stderr
     # (to prefix each line with the rank) and would lose what is written before os._exit
@@ -157,8 +172,7 @@ def _report(kind, error, tb):
         os._exit(1)  # another rank met a mistake and says it; this one only lost its peer
     if lost_peer(error) and os.environ.get("RL_DEBUG") != "1":
         print(f"error: (rank {rank}) another rank stopped answering in a collective: it died, its node went "
-              f"away, or it hung longer than --timeout-s (see its output, or its node's). The newest "
-              f"complete checkpoint in --run-dir is intact: --resume auto goes on from it. "
+              f"away, or it hung longer than --timeout-s (see its output, or its node's). {_newest()} "
               f"({str(error)[:160]})",
               file=stderr, flush=True)
         os._exit(1)

@@ -70,6 +70,19 @@ def padded(seqs, masks, eos: int):
     return x, m
 
 
+def sft_model(eos: int, seed: int, lr: float, steps: int):
+    """(config, model, optimizer, schedule) of a supervised warm start from scratch: a random decoder
+    of the TINY shape seeded by `seed`, AdamW under a one-cycle schedule (the judge, the tool user)."""
+    cfg = ModelConfig(**TINY, architecture="Qwen2ForCausalLM", eos_token_id=eos, attention_bias=True)
+    model = build(cfg)
+    model.init_weights(seed)
+    torch.manual_seed(seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, steps), pct_start=0.05)
+    return cfg, model, opt, sched
+
+
 def masked_nll(model, x, m):
     """(the summed next-token NLL of x's tokens where m is 1, their count): x, m [B, L]."""
     logits = model(x[:, :-1])  # [B, L-1, V]
@@ -211,17 +224,11 @@ def judge_checkpoint(path: str, seed: int = 0, sft_steps: int = 2400, batch: int
     for text, right, _ in judge_examples(train[:2000], 4000, rng):
         texts.append(text + (" Yes" if right else " No"))
     eos = train_tokenizer(texts, path, 512)
-    cfg = ModelConfig(**TINY, architecture="Qwen2ForCausalLM", eos_token_id=eos, attention_bias=True)
-    model = build(cfg)
-    model.init_weights(seed)
+    cfg, model, opt, sched = sft_model(eos, seed, lr, sft_steps)
     tok = Tokenizer(path)
     verdicts = {True: tok.encode(" Yes"), False: tok.encode(" No")}
     assert len(verdicts[True]) == len(verdicts[False]) == 1, "the verdicts are one token each"
     held = judge_examples(held_out, 1024, random.Random(f"judge-eval-{seed}"))
-    torch.manual_seed(seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, sft_steps), pct_start=0.05)
     t0 = time.time()
     for step in range(sft_steps):
         nll, count = masked_nll(model, *judge_batch(judge_examples(train, batch, rng), tok, eos, verdicts))
@@ -307,14 +314,8 @@ def tool_checkpoint(path: str, seed: int = 0, sft_steps: int = 2000, batch: int 
     train = multiply_rows("train", seed)
     tools = [schema(multiply)]
     eos = tool_tokenizer(path)
-    cfg = ModelConfig(**TINY, architecture="Qwen2ForCausalLM", eos_token_id=eos, attention_bias=True)
-    model = build(cfg)
-    model.init_weights(seed)
+    cfg, model, opt, sched = sft_model(eos, seed, lr, sft_steps)
     tok = Tokenizer(path)
-    torch.manual_seed(seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, sft_steps), pct_start=0.05)
     t0 = time.time()
     for step in range(sft_steps):
         calls = [rng.random() < call_share for _ in range(batch)]
