@@ -259,28 +259,29 @@ def _sync(plan: Plan, actor, engine, version: int) -> dict:
     t = time.perf_counter()
     stats = {"sync_gather_s": 0.0, "sync_bytes": 0}
     engine.version = version
-    if plan.mode in ("colocate", "partial"):
-        # straight into this rank's own engine (partial: a judge rank's takes none)
-        engine.load_weights(_measured(actor.full_weights(), stats))
+    if plan.mode in ("colocate", "partial"):  # into this rank's engine (a partial judge rank's takes none)
+        if getattr(engine, "lora_rank", 0):  # vLLM serving LoRA adapters on its own base: them alone
+            engine.load_adapters(_measured(actor.adapter_weights(), stats), actor.scales)
+        else:
+            engine.load_weights(_measured(actor.full_weights(), stats))
         return {"sync_s": time.perf_counter() - t, **stats}
-    # LoRA with native rollout engines: the base weights once, unmerged, then at every sync the
-    # adapters alone, which the rollout ranks merge into their base (vLLM ones take merged weights)
-    lora_native = bool(actor.scales) and engine.native
-    if not (lora_native and engine.has_base):
-        _broadcast(plan, engine, _measured(actor.full_weights(base=lora_native), stats))
-        engine.has_base = lora_native
-    if lora_native:
-        adapters = (actor.adapter_specs(), actor.scales)
-        _broadcast(plan, engine, _measured(actor.adapter_weights(), stats), adapters)
+    # LoRA, rollout engines that take adapters alone (native ones merge them into the base, sent once
+    # unmerged; vLLM ones with --lora-vllm adapters have their own): them alone after that
+    lora_adapters = bool(actor.scales) and engine.takes_adapters
+    if not (lora_adapters and engine.has_base):
+        _broadcast(plan, engine, _measured(actor.full_weights(base=lora_adapters), stats))
+        engine.has_base = lora_adapters
+    if lora_adapters:
+        adapters = _measured(actor.adapter_weights(), stats)
+        _broadcast(plan, engine, adapters, (actor.adapter_specs(), actor.scales))
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
     return {"sync_s": time.perf_counter() - t, **stats}
 
 
 def _broadcast(plan: Plan, engine, weights, adapters: tuple | None = None):
-    """disaggregate: every trainer tells its rollout rank that a version is coming (or LoRA's
-    adapters: their specs and scales); trainer 0 broadcasts it in buckets to all rollout ranks,
-    the others only join the gathers that produce it."""
+    """disaggregate: every trainer tells its rollout rank that a version (or LoRA's `adapters`) is coming;
+    trainer 0 broadcasts it in buckets to all rollout ranks, the others join the gathers making it."""
     engine.announce_weights(adapters)
     if plan.rank == 0:
         engine.broadcast_weights(weights, adapters is not None)

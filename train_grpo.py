@@ -171,7 +171,7 @@ def check_args(args: Args, world: int):
     args.ds.check(args)
     args.correction.check()
     args.run.check()
-    args.lora.check()
+    args.lora.check(args.engine, args.layout.placement)
     layout = args.layout.check(world, args.prompts_per_step)  # rollout ranks, staleness, the batch split
     args.balance.check(args, world, layout)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
@@ -289,8 +289,9 @@ if __name__ == "__main__":
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
     rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
+    serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
     engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                        args.run.seed)
+                        args.run.seed, lora_rank=serve_lora)
     local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
         rollout_rank(plan, local_engine)

@@ -69,8 +69,8 @@ class RemoteEngine:
         self.seen = {}  # the totals at the last `take_stats`
         self.bufs = {}  # trainer 0's bucket buffers, kept across syncs
         self.transfer = None  # trainer 0, vLLM rollout engines: its end of their transfer group
-        self.native = False  # the rollout ranks' engines are native (agree_on_transfer): LoRA syncs adapters
-        self.has_base = False  # LoRA, native: the rollout ranks hold the base weights, adapters may follow
+        self.takes_adapters = False  # LoRA: the rollout ranks take adapters alone (agree_on_transfer)
+        self.has_base = False  # LoRA: the rollout ranks hold the base weights, adapters alone may follow
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
@@ -95,9 +95,10 @@ class RemoteEngine:
             self.adapter_buckets = dist.plan_buckets(adapters[0], self.bucket_bytes)
 
     def broadcast_weights(self, weights, adapters: bool = False):
-        """Trainer 0 only: the (name, tensor) stream, in buckets, to every rollout rank."""
+        """Trainer 0 only: the (name, tensor) stream, in buckets, to every rollout rank (LoRA's
+        adapters always over the weight group, to a vLLM rollout rank too)."""
         try:
-            if self.transfer is not None:
+            if self.transfer is not None and not adapters:
                 self.transfer.send(weights)
             else:
                 group, device = self.plan.weight_group, self.plan.device
@@ -224,7 +225,7 @@ def leave(engine, why: str):
 
 def receive(plan, engine, msg: Weights, bufs: dict):
     """One update from trainer 0's broadcast into this rollout rank's engine."""
-    if hasattr(engine, "receive_weights"):  # a vLLM engine (perhaps inside utils.episodes.Episodes)
+    if hasattr(engine, "receive_weights") and not msg.adapters:  # a vLLM engine (perhaps in Episodes)
         engine.receive_weights(msg.specs)
         return
     buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
@@ -243,11 +244,15 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
     opens that group (gloo on CPU, vLLM's nccl on GPU), sends its rendezvous to the rollout
     ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
     try:
-        # every rank learns what the rollout ranks' engines are (LoRA then syncs adapters to native ones)
-        kind = [getattr(engine, "backend", None) if plan.rank == plan.layout.dp else None]
+        # every rank learns what the rollout ranks' engines take: LoRA's adapters alone (a native
+        # engine merges them into the base it is sent once; a vLLM one serving adapters has its own base)
+        kind = [None]
+        if plan.rank == plan.layout.dp:
+            lora = getattr(engine, "lora_rank", 0)
+            kind = [(getattr(engine, "backend", None) is None or lora > 0, lora > 0)]
         torch.distributed.broadcast_object_list(kind, src=plan.layout.dp)
         if plan.role == "trainer":
-            engine.native = kind[0] is None
+            engine.takes_adapters, engine.has_base = kind[0]
         if plan.role == "trainer" and plan.rank != 0:
             return  # only trainer 0 sends weights
         _open_transfer(plan, engine, specs, bucket_bytes)

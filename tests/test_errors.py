@@ -106,6 +106,12 @@ CASES = [  # (flags, what the error line must say)
     (["--env", "utils.env:multiply"], "--env utils.env:multiply: an environment class has reset(row)"),
     (["--tools", "utils.env:multiply", "--max-turns", "0"], "--max-turns 0: use 1 or more"),
     (["--env", "tools"], "--env tools: name the tools with --tools"),
+    # LoRA
+    (["--lora-rank", "8", "--lora-targets", "q_proj,qkv"],
+     "--lora-targets q_proj,qkv: ['qkv'] matches no linear"),
+    (["--lora-rank", "8", "--lora-vllm", "adapters"], "--lora-vllm adapters: use merged, or --engine vllm"),
+    (["--lora-rank", "1000", "--lora-vllm", "adapters", "--engine", "vllm"],
+     "--lora-rank 1000: use at most 512"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),

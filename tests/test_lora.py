@@ -170,16 +170,24 @@ def test_ppo_with_a_lora_actor_runs(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-def test_vllm_follows_a_lora_policy_through_the_merged_weights(tmp_path):
-    """vLLM (in the rank's process) gets W + (alpha/r) B A after each of three updates: the log-probs
-    it reports for its samples are the trainer's (the LoRA forward) within 1e-4."""
+@pytest.mark.parametrize("mode", ["merged", "adapters"])
+def test_vllm_follows_a_lora_policy_in_both_modes(tmp_path, mode):
+    """vLLM in the rank's process, three updates. merged: it gets W + (alpha/r) B A through the weight
+    transfer (the full weights' bytes); adapters: it serves the adapters on its own base (a PEFT
+    directory, a new id each version: the adapters' bytes). Either way the log-probs it reports for
+    its samples are the trainer's (the LoRA forward) within 1e-4."""
+    from utils.lora import count
+    from utils.model import read_config
+
     run = str(tmp_path / "v")
     flags = [f for f in TINY if f not in ("--eval-every", "2", "--eval-prompts", "8")]
-    torchrun(2, "train_grpo.py", *flags, *LORA, "--engine", "vllm", "--eval-every", "0", "--run-dir", run,
-             timeout=600)
+    torchrun(2, "train_grpo.py", *flags, *LORA, "--engine", "vllm", "--lora-vllm", mode, "--eval-every", "0",
+             "--run-dir", run, timeout=600)
     rows = [r for r in metrics(run) if not r.get("final")]
     assert len(rows) == 3 and all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
-    assert rows[-1]["perf/sync_bytes"] > 0
+    cfg = read_config("assets/arith-tiny")
+    want = 4 * (cfg.num_params() if mode == "merged" else count(cfg, LoraArgs(lora_rank=8)))
+    assert [r["perf/sync_bytes"] for r in rows] == [want] * 3
 
 
 def test_disaggregated_native_engines_get_the_base_once_then_only_adapter_bytes(tmp_path):

@@ -240,7 +240,7 @@ class VLLMEngine(Engine):
     see train/logprob_gap_*)."""
 
     def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, own_process: bool = False):
+                 gpu_memory_utilization: float = 0.5, own_process: bool = False, lora_rank: int = 0):
         """own_process: run vLLM's engine core in a child process, in a world of its own. A rollout-only
         rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
         torchrun world, and the trainer ranks would have to join them."""
@@ -268,6 +268,12 @@ class VLLMEngine(Engine):
             raise UserError(PLUGIN_NEEDED)
         vllm_transfer.register()  # this process's registry (vLLM's own processes load the entry point)
         kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
+        # --lora-vllm adapters: vLLM serves the policy's adapters on its own base (`load_adapters`)
+        self.lora_rank, self.lora, self.lora_dirs = lora_rank, None, []
+        if lora_rank:
+            from utils.lora import vllm_max_rank
+
+            kw.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2)
         self.llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."),
                             max_model_len=max_model_len,
                             seed=seed, enforce_eager=not self.gpu, logprobs_mode="processed_logprobs",
@@ -305,7 +311,7 @@ class VLLMEngine(Engine):
 
     def release(self):
         if self.gpu:  # level 2: drop weights and KV cache (load_weights brings new ones)
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.lora_rank else 2)  # serving adapters: the base is kept
             self.asleep = True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
@@ -315,7 +321,8 @@ class VLLMEngine(Engine):
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
             max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
             stop_token_ids=sorted(self.tok.eos_ids)) for seed in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False,
+                                 lora_request=self.lora)
         rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major, as native
         T = max(1, max(len(c.token_ids) for c in rows))
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
@@ -329,8 +336,36 @@ class VLLMEngine(Engine):
         texts = [c.text for c in rows]
         return Samples(tokens, logprobs, lengths, reasons, texts, _version(rows, self.version))
 
+    def load_adapters(self, adapters, scales: dict):
+        """--lora-vllm adapters: the policy's LoRA adapters, (name, tensor) pairs, written as a PEFT
+        directory under a new path and loaded under a new id, the previous one removed (a new path
+        and id per version: vLLM caches an adapter by id, and a prefix cached under old adapters
+        must not be reused, vLLM 42125)."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        from utils.lora import write_peft
+
+        path = tempfile.mkdtemp(prefix=f"lora-v{self.version}-")
+        write_peft(path, {name: t.detach().float().cpu().clone() for name, t in adapters}, self.lora_rank,
+                   next(iter(scales.values())) * self.lora_rank)
+        new = LoRARequest(f"policy-{len(self.lora_dirs) + 1}", len(self.lora_dirs) + 1, path)
+        self.llm.llm_engine.add_lora(new)
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+            shutil.rmtree(self.lora_dirs[-1], ignore_errors=True)
+        self.lora = new
+        self.lora_dirs.append(path)
+        self.llm.reset_prefix_cache()
+
     def close(self):
         """Shut the engine down before the process group goes: vLLM built its groups on ours."""
+        import shutil
+
+        if self.lora_dirs:
+            shutil.rmtree(self.lora_dirs[-1], ignore_errors=True)
         self.llm.llm_engine.engine_core.shutdown()
 
 
@@ -381,15 +416,16 @@ def check_engine(kind: str, placement: str):
 
 
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
-                seed=0,
-                own_process=False):
-    """--engine auto: vLLM on GPU when it is installed, else the native engine."""
+                seed=0, own_process=False, lora_rank: int = 0):
+    """--engine auto: vLLM on GPU when it is installed, else the native engine. lora_rank: a vLLM
+    engine serving LoRA adapters of this rank (--lora-vllm adapters)."""
     if kind == "auto":
         kind = "native"
         if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm"):
             kind = "vllm"
     if kind == "vllm":
-        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process)
+        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
+                          lora_rank=lora_rank)
     return NativeEngine(cfg, tokenizer, device, dtype)
 
 

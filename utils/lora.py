@@ -16,7 +16,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,16 +37,27 @@ class LoraArgs:
     lora_targets: str = "all-linear"
     """--lora-rank: the linear layers that get adapters: all-linear (q/k/v/o and gate/up/down of every
     block; not the LM head), or names, comma-separated, such as q_proj,v_proj"""
+    lora_vllm: Literal["merged", "adapters"] = "merged"
+    """--lora-rank with vLLM engines: merged: vLLM takes W + (alpha/r) B A through the weight transfer
+    (exact in fp32); adapters: vLLM serves the adapters itself on its own load of the base (enable_lora),
+    each sync written as a PEFT directory under a new path and id (the old one removed)"""
     merge_on_export: bool = False
     """--lora-rank: export the final policy as a full HF checkpoint with the adapters merged in (default:
     a PEFT adapter directory, adapter_config.json + adapter_model.safetensors)"""
     APPLIES: ClassVar = {k: ("lora_rank", lambda r: r > 0, "a --lora-rank above 0")
-                         for k in ("lora_alpha", "lora_targets", "merge_on_export")}
+                         for k in ("lora_alpha", "lora_targets", "lora_vllm", "merge_on_export")}
 
-    def check(self):
+    def check(self, engine: str = "native", placement: str = "colocate"):
         check_rules(self, [
             ("lora_rank", self.lora_rank >= 0, "0 (off) or a rank such as 8"),
-            ("lora_alpha", 0 < self.lora_alpha < math.inf, "a positive scale such as 16")])
+            ("lora_alpha", 0 < self.lora_alpha < math.inf, "a positive scale such as 16"),
+            ("lora_vllm", self.lora_vllm == "merged" or engine == "vllm", "merged, or --engine vllm: the "
+             "native engine takes merged weights (disaggregated native rollout ranks merge adapters "
+             "themselves)"),
+            ("lora_vllm", self.lora_vllm == "merged" or placement != "partial", "merged in partial "
+             "placement: its judge ranks take part in the samplers' weight gathers"),
+            ("lora_rank", self.lora_vllm == "merged" or self.lora_rank <= VLLM_RANKS[-1],
+             f"at most {VLLM_RANKS[-1]}: vLLM serves adapters up to that rank (or --lora-vllm merged)")])
         if self.lora_rank:
             self.targets()
 
@@ -167,6 +178,30 @@ class Reference:
             switch.on = True
 
 
+def write_peft(path: str, adapters: dict, rank: int, alpha: float, base: str = ""):
+    """A PEFT adapter directory: adapter_model.safetensors (PEFT's key names) and adapter_config.json."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {f"base_model.model.{name}.weight": t.contiguous() for name, t in adapters.items()}
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = sorted({re.sub(r"\.lora_[AB]$", "", n).rsplit(".", 1)[-1] for n in adapters})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+              "r": rank, "lora_alpha": alpha, "target_modules": targets,
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices (config/lora.py)
+
+
+def vllm_max_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that serves `rank`."""
+    return min(r for r in VLLM_RANKS if r >= rank)
+
+
 def export(actor, path: str, rank: int, tokenizer_dir: str, cfg: LoraArgs, base: str):
     """The final policy: a PEFT adapter directory (PEFT's names and config, for transformers +
     peft on `base`), or with --merge-on-export a full HF checkpoint. Every rank joins the gathers."""
@@ -180,18 +215,7 @@ def export(actor, path: str, rank: int, tokenizer_dir: str, cfg: LoraArgs, base:
         return
     if rank != 0:
         return
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    adapters = {f"base_model.model.{name}.weight": t.contiguous() for name, t in full if is_adapter(name)}
-    save_file(adapters, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    targets = sorted({re.sub(r"\.lora_[AB]$", "", n).rsplit(".", 1)[-1] for n, _ in full if is_adapter(n)})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-              "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": targets,
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-              "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_peft(path, {name: t for name, t in full if is_adapter(name)}, cfg.lora_rank, cfg.lora_alpha, base)
     from utils.model import TOKENIZER_FILES
     import shutil
 
