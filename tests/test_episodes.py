@@ -10,7 +10,7 @@ import torch
 from utils.data import Tokenizer, make_batch, multiply_rows, per_sample
 from utils.engines import NativeEngine, Samples, SamplingParams
 from utils.env import ToolEnv, ToolWorker, multiply, parse_tool_calls, schema
-from utils.episodes import EnvArgs, Episodes, check_template, sums, metrics, template_delta, tokenize
+from utils.episodes import EnvArgs, Episodes, check_template, metrics, sums, tokenize
 from utils.errors import UserError
 from utils.tiny import TOOL_TEMPLATE, tool_call_text, tool_tokenizer
 

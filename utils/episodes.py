@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from utils.engines import Samples
+from utils.engines import Engine, Samples
 from utils.env import ERRORS, ToolEnv, ToolWorker, load, schema
 from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, time_limit
@@ -148,7 +148,7 @@ class Episode:
     env_tokens: int = 0
 
 
-class Episodes:
+class Episodes(Engine):
     """An engine that plays episodes (see the module's docstring); the rest of the engine
     interface goes to the wrapped engine. `starts`: the rows by their prompt ids (the trainer
     asks for prompts by ids; rows with the same prompt share their start)."""
@@ -172,12 +172,6 @@ class Episodes:
     @version.setter
     def version(self, v):
         self.engine.version = v
-
-    def submit(self, prompts, params, seeds):
-        return self.generate(prompts, params, seeds)
-
-    def result(self, ticket):
-        return ticket
 
     def close(self):
         if self.worker:

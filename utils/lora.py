@@ -205,7 +205,7 @@ def vllm_max_rank(rank: int) -> int:
 def export(actor, path: str, rank: int, tokenizer_dir: str, cfg: LoraArgs, base: str):
     """The final policy: a PEFT adapter directory (PEFT's names and config, for transformers +
     peft on `base`), or with --merge-on-export a full HF checkpoint. Every rank joins the gathers."""
-    from utils.model import save_model
+    from utils.model import copy_tokenizer, save_model
 
     full = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
     if cfg.merge_on_export:
@@ -216,9 +216,4 @@ def export(actor, path: str, rank: int, tokenizer_dir: str, cfg: LoraArgs, base:
     if rank != 0:
         return
     write_peft(path, {name: t for name, t in full if is_adapter(name)}, cfg.lora_rank, cfg.lora_alpha, base)
-    from utils.model import TOKENIZER_FILES
-    import shutil
-
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(tokenizer_dir, name)):
-            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+    copy_tokenizer(tokenizer_dir, path)

@@ -575,11 +575,18 @@ def save_model(model_or_state, cfg: ModelConfig, path: str, tokenizer_dir: str |
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(path):
-        import shutil
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(tokenizer_dir, name)):
-                shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+    if tokenizer_dir:
+        copy_tokenizer(tokenizer_dir, path)
+
+
+def copy_tokenizer(src: str, dst: str):
+    """The tokenizer files of checkpoint `src` into directory `dst` (a HF export, a PEFT adapter)."""
+    if os.path.abspath(src) == os.path.abspath(dst):
+        return
+    import shutil
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
