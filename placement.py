@@ -230,10 +230,12 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     rollout ranks take their weights is agreed here too (roles/rollout.py `agree_on_transfer`)."""
     if plan.mode == "colocate":
         return local_engine()
-    if plan.mode == "partial":
-        if plan.sampler:
-            return local_engine()
-        return NoEngine()
+    if plan.mode == "partial":  # a judge rank joins its samplers' weight gathers: it takes what they take
+        engine = local_engine() if plan.sampler else NoEngine()
+        said = [engine.takes_adapters]
+        dist.broadcast_object_list(said, src=0)
+        engine.takes_adapters = said[0]
+        return engine
     if plan.role == "trainer":
         engine = RemoteEngine(plan, weight_specs, bucket_bytes)
     else:
@@ -259,29 +261,25 @@ def _sync(plan: Plan, actor, engine, version: int) -> dict:
     t = time.perf_counter()
     stats = {"sync_gather_s": 0.0, "sync_bytes": 0}
     engine.version = version
-    if plan.mode in ("colocate", "partial"):  # into this rank's engine (a partial judge rank's takes none)
-        if getattr(engine, "lora_rank", 0):  # vLLM serving LoRA adapters on its own base: them alone
-            engine.load_adapters(_measured(actor.adapter_weights(), stats), actor.scales)
-        else:
-            engine.load_weights(_measured(actor.full_weights(), stats))
-        return {"sync_s": time.perf_counter() - t, **stats}
-    # LoRA, rollout engines that take adapters alone (native ones merge them into the base, sent once
-    # unmerged; vLLM ones with --lora-vllm adapters have their own): them alone after that
+    # LoRA, engines that take adapters alone (native ones merge them into the base, loaded once
+    # unmerged; vLLM ones with --lora-vllm adapters have their own base): them alone after that
     lora_adapters = bool(actor.scales) and engine.takes_adapters
     if not (lora_adapters and engine.has_base):
-        _broadcast(plan, engine, _measured(actor.full_weights(base=lora_adapters), stats))
+        _give(plan, engine, _measured(actor.full_weights(base=lora_adapters), stats))
         engine.has_base = lora_adapters
     if lora_adapters:
-        adapters = _measured(actor.adapter_weights(), stats)
-        _broadcast(plan, engine, adapters, (actor.adapter_specs(), actor.scales))
+        _give(plan, engine, _measured(actor.adapter_weights(), stats), (actor.adapter_specs(), actor.scales))
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
     return {"sync_s": time.perf_counter() - t, **stats}
 
 
-def _broadcast(plan: Plan, engine, weights, adapters: tuple | None = None):
-    """disaggregate: every trainer tells its rollout rank that a version (or LoRA's `adapters`) is coming;
-    trainer 0 broadcasts it in buckets to all rollout ranks, the others join the gathers making it."""
+def _give(plan: Plan, engine, weights, adapters: tuple | None = None):
+    """colocate, partial: into this rank's engine. disaggregate: every trainer tells its rollout
+    rank that a version (or LoRA's `adapters`: specs and scales) is coming; trainer 0 broadcasts it
+    in buckets to all rollout ranks, the others join the gathers making it."""
+    if plan.mode != "disaggregate":
+        return engine.load_adapters(weights, adapters[1]) if adapters else engine.load_weights(weights)
     engine.announce_weights(adapters)
     if plan.rank == 0:
         engine.broadcast_weights(weights, adapters is not None)

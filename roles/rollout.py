@@ -246,10 +246,7 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
     try:
         # every rank learns what the rollout ranks' engines take: LoRA's adapters alone (a native
         # engine merges them into the base it is sent once; a vLLM one serving adapters has its own base)
-        kind = [None]
-        if plan.rank == plan.layout.dp:
-            lora = getattr(engine, "lora_rank", 0)
-            kind = [(getattr(engine, "backend", None) is None or lora > 0, lora > 0)]
+        kind = [(engine.takes_adapters, engine.has_base) if plan.rank == plan.layout.dp else None]
         torch.distributed.broadcast_object_list(kind, src=plan.layout.dp)
         if plan.role == "trainer":
             engine.takes_adapters, engine.has_base = kind[0]

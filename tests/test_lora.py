@@ -14,8 +14,8 @@ from test_fsdp import torchrun
 from test_train_grpo import TINY, metrics
 
 from utils.errors import UserError
-from utils.lora import LoraArgs, add, initial, merged, scales
-from utils.model import load_model
+from utils.lora import LoraArgs, add, count, initial, merged, scales
+from utils.model import load_model, read_config
 from utils.tiny import random_checkpoint
 
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "3e-3"]
@@ -45,6 +45,37 @@ def test_with_b_zero_the_model_is_the_base_and_merging_equals_the_adapters():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {n for n in params if n.endswith(("lora_A", "lora_B"))}
     assert len(trainable) == 4 * 7 * 2  # 4 layers, 7 linears, A and B
+
+
+def test_the_native_engine_keeps_its_base_and_merges_each_version_of_the_adapters():
+    """An engine given the base once and then adapters samples what an engine given the merged
+    weights samples, bit for bit (both merge W + s B A with the same fp32 ops, then decode with the
+    same ops), for two versions of the adapters; `release` keeps the base (not the merged copy)."""
+    from utils.data import Tokenizer
+    from utils.engines import NativeEngine, SamplingParams
+    from utils.lora import is_adapter
+    from utils.model import read_config
+
+    model = load_model("assets/arith-tiny")
+    add(model, LoraArgs(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj,up_proj,down_proj"))
+    cfg, tok, s = read_config("assets/arith-tiny"), Tokenizer("assets/arith-tiny"), scales(model)
+    prompts, params = [tok.encode("12+34="), tok.encode("7*8=")], SamplingParams(n=3, max_new_tokens=12)
+    kept = NativeEngine(cfg, tok)
+    kept.load_weights((n, t) for n, t in model.state_dict().items() if not is_adapter(n))
+    for version in range(2):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if is_adapter(name):
+                    p.normal_(0, 0.3)
+        whole = NativeEngine(cfg, tok)
+        whole.load_weights(merged(model.state_dict().items(), s))
+        kept.load_adapters(((n, t) for n, t in model.state_dict().items() if is_adapter(n)), s)
+        want, got = whole.generate(prompts, params, [5, 6]), kept.generate(prompts, params, [5, 6])
+        assert torch.equal(want.tokens, got.tokens) and torch.equal(want.logprobs, got.logprobs)
+        kept.release()
+        assert kept.model is not None and kept.decoder.step_layers is None
+    base = load_model("assets/arith-tiny").state_dict()
+    assert all(torch.equal(t, base[n]) for n, t in kept.model.state_dict().items())
 
 
 def test_a_target_that_matches_nothing_is_named():
@@ -95,6 +126,10 @@ def test_a_lora_run_trains_follows_its_engine_and_exports_a_peft_adapter(lora_ru
 
     run, _ = lora_run
     rows = [r for r in metrics(run) if not r.get("final")]
+    cfg = read_config("assets/arith-tiny")  # the colocated engine: the base once, then adapters alone
+    adapter_bytes = 4 * count(cfg, LoraArgs(lora_rank=8))
+    base_bytes = 4 * cfg.num_params()
+    assert [r["perf/sync_bytes"] for r in rows] == [base_bytes + adapter_bytes] + [adapter_bytes] * 5
     assert rows[0]["train/kl"] == 0  # the first update's samples: the adapters (B = 0) change nothing yet
     assert rows[-1]["train/kl"] > 0 and all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
     final = os.path.join(run, "final")
@@ -176,9 +211,6 @@ def test_vllm_follows_a_lora_policy_in_both_modes(tmp_path, mode):
     transfer (the full weights' bytes); adapters: it serves the adapters on its own base (a PEFT
     directory, a new id each version: the adapters' bytes). Either way the log-probs it reports for
     its samples are the trainer's (the LoRA forward) within 1e-4."""
-    from utils.lora import count
-    from utils.model import read_config
-
     run = str(tmp_path / "v")
     flags = [f for f in TINY if f not in ("--eval-every", "2", "--eval-prompts", "8")]
     torchrun(2, "train_grpo.py", *flags, *LORA, "--engine", "vllm", "--lora-vllm", mode, "--eval-every", "0",
@@ -194,9 +226,6 @@ def test_disaggregated_native_engines_get_the_base_once_then_only_adapter_bytes(
     """3 ranks (2 trainers, 1 native rollout rank): the first sync sends the base weights, unmerged,
     and the adapters; every later one the adapters alone (r (in + out) fp32 values per target), which
     the rollout rank merges into its base: its log-probs stay the trainer's within 1e-4."""
-    from utils.lora import count
-    from utils.model import read_config
-
     run = str(tmp_path / "dis")
     flags = [f for f in TINY if f not in ("--steps", "3")]
     torchrun(3, "train_grpo.py", *flags, *LORA, "--steps", "4", "--placement", "disaggregate",

@@ -71,19 +71,25 @@ def test_the_plan_follows_the_layout():
 
 
 def test_the_plan_knows_lora():
-    """LoRA: moments and gradients for the adapters only, no reference copy (the actor, adapters off)."""
-    from utils.lora import LoraArgs, count
+    """LoRA: moments and gradients for the adapters only, no reference copy (the actor, adapters off);
+    the native engine keeps its base for the run and merges a copy of the adapted weights to generate."""
+    from utils.lora import LoraArgs, adapted, count
 
     cfg = ModelConfig(**MID)
-    L = count(cfg, LoraArgs(lora_rank=16))
+    args = LoraArgs(lora_rank=16)
+    L, M = count(cfg, args), adapted(cfg, args)
     full = Workload(param_bytes=2, micro_batch=4, prompt_len=64, new_tokens=256, rows=8, gen_rows=8,
                     reference=True, packed_decode=False)
-    lora = Workload(**{**full.__dict__, "lora_params": L})
+    lora = Workload(**{**full.__dict__, "lora_params": L, "lora_merged": M})
     a, b = estimate(cfg, "colocate", 2, 0, full)["trainer"], estimate(cfg, "colocate", 2, 0, lora)["trainer"]
     P = cfg.num_params()
-    assert 0 < L < P / 10 and b.held == {"weights": 4 * (P + L) // 2, "adam": 8 * L // 2}
+    assert 0 < L < P / 10 and M == 8 * (512 * 512 * 2 + 512 * 128 * 2 + 512 * 1408 * 3)
+    assert b.held == {"weights": 4 * (P + L) // 2, "adam": 8 * L // 2, "engine_base": 2 * P}
     assert a.held["reference"] == 4 * P // 2 and b.phases["train"]["grads"] == 4 * L // 2
+    assert b.phases["generate"]["engine"] == 2 * M < a.phases["generate"]["engine"] == 2 * P
     assert b.total() < a.total()
+    split = estimate(cfg, "disaggregate", 2, 1, lora)
+    assert split["rollout"].held["engine_base"] == 2 * P and "engine_base" not in split["trainer"].held
 
 
 def test_the_peak_is_what_is_held_and_the_largest_phase():

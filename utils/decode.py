@@ -123,9 +123,14 @@ class FusedDecoder:
         self.cfg, self.inv_freq = model.config, model.inv_freq
         self.embed, self.norm, self.lm_head = (model.model.embed_tokens.weight, model.model.norm,
                                                model.lm_head.weight)
-        self.layers = []
-        for layer in model.model.layers:
+        self.layers, self.parts = [], []  # parts: per layer, (module prefix, rows) of each weight's pieces
+        for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
+            pre = lambda name: f"model.layers.{i}.{name}"  # noqa: E731
+            self.parts.append([[(pre(f"self_attn.{n}"), getattr(a, n).out_features) for n in names]
+                               for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",))]
+                              + [[(pre(f"mlp.{n}"), getattr(m, n).out_features) for n in names]
+                                 for names in (("gate_proj", "up_proj"), ("down_proj",))])
             qkv_b = (_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None
                      else None)
             qk_norm = (a.q_norm, a.k_norm) if a.qk_norm else None  # Qwen3: RMSNorm of each head's q and k
@@ -142,7 +147,7 @@ class FusedDecoder:
         cos, sin = self.rope(positions)  # [B, S, 1, D]
         bias = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         h = F.embedding(tokens, self.embed)  # [B, S, h]
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qk_norm) in enumerate(self.layers):
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qk_norm) in enumerate(self.call_layers):
             qkv = F.linear(ln1(h), wqkv, bqkv).view(B, S, H + 2 * KV, D)  # [B, S, H+2KV, D]
             qk = qkv[:, :, :H + KV]
             if qk_norm is not None:
@@ -167,15 +172,23 @@ class FusedDecoder:
         return (torch.cat((cos, cos), -1)[..., None, :].to(self.embed.dtype),  # [..., 1, D]
                 torch.cat((-sin, sin), -1)[..., None, :].to(self.embed.dtype))
 
-    def prepare(self, rows: int):
+    def prepare(self, rows: int, lora: dict | None = None):
         """Build the decode step's weights; call after every weight load. On CPU in fp32 they are
         oneDNN-packed copies for `rows`-row matmuls, each RMSNorm weight folded into the matmul
         after it: one more copy of the weights, for 10-25% faster decode than MKL's sgemm at
-        64 rows on the 2-core CI machines. Elsewhere they are the model's own tensors."""
+        64 rows on the 2-core CI machines. Elsewhere they are the model's own tensors.
+        lora {module prefix: (A, B, scale)}: the model holds the base; every call uses the adapted
+        weights W + scale B A, merged here (one more copy of them, dropped by `release`)."""
+        self.call_layers = self.layers
+        if lora:
+            self.call_layers = [(ln1, _merged(wqkv, qkv, lora), bqkv, _merged(wo, o, lora), bo, ln2,
+                                 _merged(wgu, gu, lora), _merged(wd, d, lora), qkn)
+                                for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qkn), (qkv, o, gu, d)
+                                in zip(self.layers, self.parts)]
         pack = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                 and torch.backends.mkldnn.is_available())
         if not pack:
-            self.step_layers, self.step_head = list(self.layers), (self.norm, self.lm_head)
+            self.step_layers, self.step_head = list(self.call_layers), (self.norm, self.lm_head)
             return
 
         def packed(w, norm=None):
@@ -183,8 +196,12 @@ class FusedDecoder:
 
         self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None, packed(wgu, ln2),
                              packed(wd), qkn)
-                            for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qkn in self.layers]
+                            for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qkn in self.call_layers]
         self.step_head = (None, packed(self.lm_head, self.norm))
+
+    def release(self):
+        """Drop what `prepare` built (the model's own weights stay)."""
+        self.call_layers = self.step_layers = self.step_head = None
 
     def decode(self, tokens, positions, bias, cache: KVCache):
         """One new token per row, the hot loop of generation: tokens, positions [B]; bias [B, 1, L]
@@ -243,6 +260,21 @@ def _swiglu(x, wgu):
     product (~375 vs ~410 us at 64 x 256 x 2*512: the fused silu is slow on AVX2)."""
     gate, up = _linear(x, wgu).chunk(2, -1)  # [B, I] each
     return F.silu(gate) * up
+
+
+def _merged(w, parts, lora: dict):
+    """LoRA: w [sum of rows, in], the fused base weight of `parts` ((module prefix, rows), in w's
+    row order), with scale B A added to each adapted part in fp32 and rounded once to w's dtype (as
+    utils.lora.merged); w itself when no part is adapted."""
+    if not any(prefix in lora for prefix, _ in parts):
+        return w
+    out = []
+    for (prefix, _), piece in zip(parts, w.split([rows for _, rows in parts])):
+        if prefix in lora:
+            a, b, scale = lora[prefix]
+            piece = (piece.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        out.append(piece)
+    return torch.cat(out)
 
 
 def _fuse(params):

@@ -95,9 +95,14 @@ class NoEngine(Engine):
     """partial: a judge rank has no policy engine (its prompts go to its sampler); it takes part
     in the weight gathers and drops what they produce."""
 
+    takes_adapters, has_base = True, False  # as the samplers' native engines: same gathers
+
     def load_weights(self, weights):
         for _ in weights:
             pass
+
+    def load_adapters(self, adapters, scales):
+        self.load_weights(adapters)
 
     def generate(self, prompts, params, seeds):
         raise RuntimeError("a judge rank generates through its sampler (rollouts.py judge_stream)")
@@ -110,42 +115,43 @@ class NoEngine(Engine):
 
 
 class NativeEngine(Engine):
+    takes_adapters = True  # LoRA: after one load of the base, adapters alone (`load_adapters`)
+    has_base = False  # set by placement.sync once the base is loaded
+
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
-        self.model = self.decoder = None
+        self.model = self.decoder = self.lora = None
         self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
         self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
 
     def load_weights(self, weights):
-        """Replace the weights from (hf_name, tensor) pairs (a full set)."""
+        """Replace the weights from (hf_name, tensor) pairs (a full set; with LoRA, the base)."""
         if self.model is None:
             self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
             self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
         self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
+        self.lora = None
         load_state(self.model, weights)
 
     def load_adapters(self, adapters, scales: dict):
-        """LoRA (disaggregate): after a full load of the *base* weights, take only the adapters,
-        (name, tensor) pairs of lora_A and lora_B, and set each adapted weight to base + scale B A
-        (in fp32, as utils.lora.merged does). The base of each adapted weight is kept, once."""
-        if not hasattr(self, "base"):
-            params = dict(self.model.named_parameters())
-            self.base = {prefix: params[f"{prefix}.weight"].detach().clone() for prefix in scales}
-        params, held = dict(self.model.named_parameters()), {}
+        """LoRA: after a load of the *base* weights, take only the adapters, (name, tensor) pairs of
+        lora_A and lora_B; generation uses W + scale B A (merged in fp32 by the decoder's `prepare`).
+        The model keeps the base: it is loaded once, and kept by `release`."""
+        held = {}
+        for name, t in adapters:
+            prefix, _, leaf = name.rpartition(".")
+            held.setdefault(prefix, {})[leaf] = t.to(self.device, copy=True)
+        self.lora = {prefix: (ab["lora_A"], ab["lora_B"], scales[prefix]) for prefix, ab in held.items()}
         self.needs_prepare = True
-        with torch.no_grad():
-            for name, t in adapters:
-                prefix, _, leaf = name.rpartition(".")
-                if leaf == "lora_A":
-                    held[prefix] = t.clone()
-                    continue
-                w = self.base[prefix]
-                merged = w.float() + scales[prefix] * (t.float() @ held.pop(prefix).float())
-                params[f"{prefix}.weight"].copy_(merged.to(w.dtype))
 
     def release(self):
-        """Drop weights (the KV cache lives only inside generate)."""
-        self.model = self.decoder = None
+        """Drop weights (the KV cache lives only inside generate); with LoRA adapters, only the
+        merged copies: the base stays for the adapters of the next sync."""
+        if self.lora is not None:
+            self.decoder.release()
+            self.needs_prepare = True
+        else:
+            self.model = self.decoder = None
 
     def close(self):
         self.release()
@@ -167,7 +173,7 @@ class NativeEngine(Engine):
             valid[i, P - len(p):] = True
         tokens, valid = tokens.to(dev), valid.to(dev)
         if self.needs_prepare:
-            self.decoder.prepare(rows=N)
+            self.decoder.prepare(rows=N, lora=self.lora)
             self.needs_prepare = False
         # prefill once per prompt, then copy its cache to its n samples' rows
         prompt_cache = KVCache(self.cfg, B0, P, dev, self.dtype)
@@ -270,6 +276,7 @@ class VLLMEngine(Engine):
         kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
         # --lora-vllm adapters: vLLM serves the policy's adapters on its own base (`load_adapters`)
         self.lora_rank, self.lora, self.lora_dirs = lora_rank, None, []
+        self.takes_adapters = self.has_base = lora_rank > 0  # its own base: adapters alone, always
         if lora_rank:
             from utils.lora import vllm_max_rank
 

@@ -7,9 +7,10 @@ Chosen before the loop by --lora-rank (`LoraArgs`; 0: off, full fine-tuning). Th
 live on our own linear modules (`add`: `model.layers.0.self_attn.q_proj.lora_A`), FSDP2 shards
 them with their block; only they train and only they are in the optimizer and the checkpoints.
 The reference policy is the actor with its adapters switched off (`Reference`: no second
-model). Engines get the merged weights (`merged`: W + (alpha / r) B A in fp32, then the
-engine's dtype) through the same sync as full weights; the export is a PEFT directory
-(`export`), or with --merge-on-export a full HF checkpoint.
+model). The native engine takes the base once, then the adapters alone, and merges them itself
+(W + (alpha / r) B A in fp32, then its dtype; it keeps the base between steps); vLLM takes the
+merged weights (`merged`) through the same sync as full weights, or serves the adapters. The
+export is a PEFT directory (`export`), or with --merge-on-export a full HF checkpoint.
 """
 import json
 import math
@@ -52,8 +53,7 @@ class LoraArgs:
             ("lora_rank", self.lora_rank >= 0, "0 (off) or a rank such as 8"),
             ("lora_alpha", 0 < self.lora_alpha < math.inf, "a positive scale such as 16"),
             ("lora_vllm", self.lora_vllm == "merged" or engine == "vllm", "merged, or --engine vllm: the "
-             "native engine takes merged weights (disaggregated native rollout ranks merge adapters "
-             "themselves)"),
+             "native engine takes the base once and then the adapters alone already"),
             ("lora_vllm", self.lora_vllm == "merged" or placement != "partial", "merged in partial "
              "placement: its judge ranks take part in the samplers' weight gathers"),
             ("lora_rank", self.lora_vllm == "merged" or self.lora_rank <= VLLM_RANKS[-1],
@@ -109,14 +109,24 @@ def add(model, cfg: LoraArgs) -> Switch:
 def count(cfg, args: LoraArgs) -> int:
     """The adapter parameters --lora-* gives a model of config `cfg`: r (in + out) per target per
     block (0 with LoRA off)."""
+    return cfg.num_hidden_layers * args.lora_rank * sum(i + o for i, o in _shapes(cfg, args))
+
+
+def adapted(cfg, args: LoraArgs) -> int:
+    """The elements of the weights --lora-* adapts, in x out per target per block (0 with LoRA off):
+    what an engine merging the adapters into its base holds a second time."""
+    return cfg.num_hidden_layers * sum(i * o for i, o in _shapes(cfg, args))
+
+
+def _shapes(cfg, args: LoraArgs) -> list[tuple[int, int]]:
+    """(in, out) of each targeted linear of one block; none with LoRA off."""
     if not args.lora_rank:
-        return 0
+        return []
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
               "up_proj": (h, i), "down_proj": (i, h)}
-    per_block = sum(sum(shapes[t]) for t in args.targets())
-    return cfg.num_hidden_layers * args.lora_rank * per_block
+    return [shapes[t] for t in args.targets()]
 
 
 def is_adapter(name: str) -> bool:

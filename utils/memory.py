@@ -21,7 +21,8 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
 - generate: the engine's full copy of the weights in p; on CPU in fp32 the native engine's
   oneDNN-packed decode copy (`FusedDecoder.prepare`: the same size again); its KV cache
   [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p. vLLM on a GPU instead
-  takes its `gpu_memory_utilization` share of the device.
+  takes its `gpu_memory_utilization` share of the device. With LoRA the native engine keeps
+  its base copy for the run (held), and generation adds the merged copy of the adapted weights.
 - judge (GRPO, an engine judge): the same for the judge model, at its own phase.
 - sync_buffers (disaggregate): trainer 0's and each rollout rank's two reusable buckets for the
   weight broadcast, of which the weights touch min(2 x --sync-bucket-mb, their size in p).
@@ -56,6 +57,7 @@ class Workload:
     packed_decode: bool = True  # the native engine on CPU in fp32 keeps a packed copy
     bucket_bytes: int = 64 * 2**20  # --sync-bucket-mb (disaggregate)
     lora_params: int = 0  # LoRA's adapter parameters (utils.lora.count); 0: the full model trains
+    lora_merged: int = 0  # LoRA, native engine: the adapted weights' elements (utils.lora.adapted)
 
 
 @dataclass
@@ -100,7 +102,8 @@ def generation(cfg: ModelConfig, rows: int, length: int, w: Workload) -> dict[st
         return {"vllm_pool": int(w.vllm_share * w.device_bytes)}
     weights = cfg.num_params() * w.param_bytes
     packed = weights if w.packed_decode and w.param_bytes == 4 else 0
-    return {"engine": weights, "packed": packed, "kv": kv_cache(cfg, rows, length, w.param_bytes)}
+    engine = w.lora_merged * w.param_bytes if w.lora_merged else weights  # LoRA: the base is held
+    return {"engine": engine, "packed": packed, "kv": kv_cache(cfg, rows, length, w.param_bytes)}
 
 
 def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) -> dict[str, Need]:
@@ -121,13 +124,15 @@ def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) ->
         trainer.phases["critic train"] = training(w.critic, dp, w, seq)
     if w.judge is not None:
         trainer.phases["judge"] = generation(w.judge, w.rows, w.judge_len, w)  # a step's completions
+    engine_base = {"engine_base": P * w.param_bytes} if w.lora_merged else {}  # LoRA, native engine
     if mode != "disaggregate":
         trainer.phases["generate"] = generation(cfg, w.gen_rows, seq, w)
+        trainer.held.update(engine_base)
         return {"trainer": trainer}
     buffers = min(2 * w.bucket_bytes, P * w.param_bytes)  # trainer 0 sends, rollout ranks take buckets
     trainer.held["sync_buffers"] = buffers
     generate = generation(cfg, w.gen_rows * dp // rollout, seq, w)  # for all its trainers at once
-    rollout_rank = Need({"sync_buffers": buffers}, {"generate": generate})
+    rollout_rank = Need({"sync_buffers": buffers, **engine_base}, {"generate": generate})
     return {"trainer": trainer, "rollout": rollout_rank}
 
 
@@ -166,7 +171,8 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
                  + (judge_args.judge_max_new_tokens if judge_args else 0),
                  vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.layout.sync_bucket_mb * 2**20),
                  device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0,
-                 lora_params=lora.count(cfg, args.lora))
+                 lora_params=lora.count(cfg, args.lora),
+                 lora_merged=lora.adapted(cfg, args.lora) if args.engine == "native" else 0)
     return describe(estimate(cfg, mode, dp, rollout, w))
 
 
