@@ -33,6 +33,7 @@ from roles.actor import Actor
 from roles.reference import Reference
 from roles.reward import OverlongArgs, RewardArgs, Scorer
 from roles.reward_model import RewardModel
+from roles.teacher import DistillArgs, Teacher
 from rollouts import DynamicSamplingArgs
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
                  step_metrics)
@@ -109,6 +110,7 @@ class Args:
     """KL penalty to the reference policy (0: no reference model is built)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """--kl-coef > 0: the KL estimator (Schulman 2020)"""
+    distill: Flat[DistillArgs] = field(default_factory=DistillArgs)
     loss_agg: Literal["token", "sequence", "constant"] = "token"
     """token: every token weighs the same (DAPO); sequence: mean per completion first (GRPO); constant:
     each completion's sum over --max-new-tokens (Dr. GRPO)"""
@@ -146,8 +148,9 @@ def check_args(args: Args, world: int):
     check_rules(args, [  # (flag, holds, what to use instead)
         ("steps", args.steps >= 1, "1 or more"),
         ("prompts_per_step", args.prompts_per_step >= 1, "1 or more"),
-        ("num_generations", args.num_generations >= 2, "2 or more: GRPO's advantage compares the samples of "
-         "a prompt's group, and with 1 every advantage is 0, so nothing would train"),
+        ("num_generations", args.num_generations >= 2 or args.distill.alone(args.reward), "2 or more: GRPO's "
+         "advantage compares the samples of a prompt's group, and with 1 every advantage is 0, so nothing "
+         "would train (1 only for distillation alone: --teacher-model with --reward-weights 0)"),
         ("max_new_tokens", args.max_new_tokens >= 1, "1 or more"),
         ("temperature", 0 < args.temperature < math.inf, "a positive number (1.0: the model as it is)"),
         ("top_p", 0 < args.top_p <= 1, "a number in (0, 1] (1.0: off)"),
@@ -170,6 +173,7 @@ def check_args(args: Args, world: int):
     args.env.check()
     args.ds.check(args)
     args.correction.check()
+    args.distill.check()
     args.run.check()
     args.lora.check(args.engine, args.layout.placement)
     layout = args.layout.check(world, args.prompts_per_step)  # rollout ranks, staleness, the batch split
@@ -182,6 +186,7 @@ def check_args(args: Args, world: int):
     check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
     args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
     args.reward.check(args.data)
+    args.distill.check_model(args.data.model)
     args.judge.check(args)
     args.env.check_model(args.data.model)  # the chat template carries an episode token for token
 
@@ -211,16 +216,25 @@ def loss_fn(logp, batch, norm: float, args: Args):
 
 def advantages(got, batch, args: Args, plan):
     """adv [N, T] by --advantage, from this rank's rewards got.rewards [N] (a sample that is not
-    got.scored gets 0). GRPO: each completion's reward minus its group's mean over the scored
-    samples, over the group's std (Shao et al. 2024), the same at each of its tokens."""
+    got.scored gets 0), plus with a --teacher-model the per-token distillation term. GRPO: each
+    completion's reward minus its group's mean over the scored samples, over the group's std (Shao
+    et al. 2024), the same at each of its tokens."""
     n, mask = args.num_generations, batch["loss_mask"]  # mask [N, T]
     rewards, scored = got.rewards, got.scored  # [N] each
-    if args.advantage == "grpo":
+    if args.distill.alone(args.reward):  # no reward term trains (they are still logged)
+        adv = torch.zeros_like(mask)
+    elif args.advantage == "grpo":
         adv = algos.group_advantages(rewards.view(-1, n), args.scale_std, scored=scored.view(-1, n))  # [G, n]
-        return adv.reshape(-1, 1).to(mask.device).expand_as(mask)  # [N, T]
-    # the rest of the menu (utils/algos.py ADVANTAGES): rloo, remax, reinforce++ (whitened over all trainers)
-    reduce_sum = partial(torch.distributed.all_reduce, group=plan.trainer_group)
-    return algos.ADVANTAGES[args.advantage](got, batch, args, reduce_sum)  # [N, T]
+        adv = adv.reshape(-1, 1).to(mask.device).expand_as(mask)  # [N, T]
+    else:  # the rest of the menu (utils/algos.py ADVANTAGES): rloo, remax, reinforce++ (batch-whitened)
+        reduce_sum = partial(torch.distributed.all_reduce, group=plan.trainer_group)
+        adv = algos.ADVANTAGES[args.advantage](got, batch, args, reduce_sum)  # [N, T]
+    if "teacher_logp" in batch:  # on-policy distillation: coef (log teacher - log student) per token
+        batch["distill_rest"] = adv
+        batch["distill"] = algos.distill_advantage(batch["old_logp"], batch["teacher_logp"], mask,
+                                                   args.distill.distill_coef)  # [N, T]
+        adv = adv + batch["distill"]
+    return adv
 
 
 def update(actor, batch, args: Args, plan):
@@ -250,18 +264,21 @@ def update(actor, batch, args: Args, plan):
     return sums, maxes
 
 
-def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, correction, args: Args, plan):
+def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, extras, args: Args, plan):
     """Reduce this step's numbers over the trainers (run.reduce_step: one sum, one max). Returns
     (what --rebalance reads: each role's busy seconds per rank, the same on every trainer; rank 0's
-    metrics, else None)."""
+    metrics, else None). extras: the components with metrics of their own (the correction, the teacher)."""
     n = args.num_generations
+    correction, teacher = extras
     groups = got.rewards.view(-1, n)  # [prompts, n]
     s = timer.seconds
     total, peak = reduce_step(step, got, batch["loss_mask"], timer, engine, plan, sums={
-        **train[0], **correction.sums, "all_same": (groups.max(-1).values == groups.min(-1).values).sum(),
+        **train[0], **correction.sums, **teacher.sums(batch),
+        "all_same": (groups.max(-1).values == groups.min(-1).values).sum(),
         "judge_unparsed": got.tally["judge_unparsed"], "judge_verdicts": got.tally["judge_verdicts"]}, maxes={
         **train[1], **correction.maxes, **sync, "judge_s": s.get("judge", 0.0),
-        "rollout_judge_s": s["generate"] + s.get("judge", 0.0), "old_logp_s": s.get("old_logp", 0.0)})
+        "rollout_judge_s": s["generate"] + s.get("judge", 0.0), "old_logp_s": s.get("old_logp", 0.0),
+        "teacher_s": s.get("teacher", 0.0)})
     entry = {"trainer_busy": total["trainer_busy"] / plan.dp, "rollout_busy": total["rollout_busy"] / plan.dp,
              "step_s": peak["step_s"]}
     if plan.rank != 0:
@@ -272,7 +289,7 @@ def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, corre
                     "train/kl": total.get("kl", 0.0) / T, "perf/old_logp_s": peak["old_logp_s"]})
     if args.judge.judge_model:
         metrics.update(judge_role.metrics(total, peak))
-    metrics.update(correction.metrics(total, peak))
+    metrics.update({**correction.metrics(total, peak), **teacher.metrics(total, peak)})
     return entry, metrics
 
 
@@ -314,6 +331,7 @@ if __name__ == "__main__":
     rm = None
     if args.reward.reward_model:
         rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
+    teacher = Teacher(args.distill, plan, device, param_dtype, args.temperature, args.micro_batch_size)
     judge = judge_role.for_run(args, plan, rows, device, param_dtype, max_len)  # partial: judge ranks only
     bucket_bytes = int(args.layout.sync_bucket_mb * 2**20)
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
@@ -347,8 +365,9 @@ if __name__ == "__main__":
         if ref:
             with timer("reference"):
                 batch["ref_logp"] = ref.logprobs(batch)  # [N, T]
+        teacher.score(batch, timer)  # --teacher-model: its log-probs of the sampled tokens
 
-        # advantages, by --advantage (GRPO: group-relative over the scored samples)
+        # advantages, by --advantage (GRPO: group-relative over the scored samples; + distillation)
         batch["adv"] = advantages(got, batch, args, plan)  # [N, T]
 
         # update: --mismatch / --recompute-old-logp first (nothing when off), then the optimizer steps
@@ -356,8 +375,8 @@ if __name__ == "__main__":
         with timer("train"):
             train = update(actor, batch, args, plan)
 
-        entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine, correction,
-                                  args, plan)
+        entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine,
+                                  (correction, teacher), args, plan)
         if run.end_of_step(step, metrics, train, rollout.saved()) or rebalancer.after_step(step, entry):
             break  # a stop (SIGTERM), or a move to another layout (torchrun restarts every rank in it)
     run.finish(engine, evaluate, rebalancer.exit_code)

@@ -34,6 +34,7 @@ from roles.critic import Critic
 from roles.reference import Reference
 from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
+from roles.teacher import DistillArgs, Teacher
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
                  rollout_rank, step_metrics)
 from utils import algos, dist, episodes, lora, memory
@@ -83,6 +84,7 @@ class Args:
     (summed over tokens) approaches this (none: a fixed kl_coef)"""
     kl_horizon: int = 10000
     """--kl-target: the adaptive KL controller's horizon, completions over which its error is corrected"""
+    distill: Flat[DistillArgs] = field(default_factory=DistillArgs)
     lr: float = 3e-4
     """the actor's AdamW learning rate (after warm-up)"""
     critic_lr: float = 1e-3
@@ -159,6 +161,7 @@ def check_args(args: Args, world: int):
     check_rules(args.layout, [("placement", args.layout.placement != "partial", "colocate or disaggregate: "
                 "partial placement splits the rollout between a sampler and a judge, which is "
                 "train_grpo.py's")])
+    args.distill.check()
     args.run.check()
     args.lora.check(args.engine, args.layout.placement)
     args.env.check()
@@ -175,6 +178,7 @@ def check_args(args: Args, world: int):
         check_same_tokenizer(args.critic_model, "--critic-model", args.data.model, "the critic values the "
                              "policy's token ids: start it from a checkpoint with the policy's tokenizer")
     args.reward.check(args.data)
+    args.distill.check_model(args.data.model)
     args.env.check_model(args.data.model)  # the chat template carries an episode token for token
 
 
@@ -192,13 +196,19 @@ def loss_fn(logp, batch, norm: float, args: Args):
 
 
 def advantages(batch, scores, args, kl_coef: float, plan):
-    """GAE on the per-token reward (the score on the last token, -kl_coef * KL at each), whitened
-    over all trainer ranks' tokens in the loss. Returns (adv, returns, kl) [N, T]."""
+    """GAE on the per-token reward (the score on the last token, -kl_coef * KL at each, and with a
+    --teacher-model the distillation term at each), whitened over all trainer ranks' tokens in the
+    loss. Returns (adv, returns, kl) [N, T]."""
     mask = batch["loss_mask"]  # [N, T] completion tokens with a reward
     kl = torch.zeros_like(mask)  # [N, T]
     if "ref_logp" in batch:  # the sampling policy's KL to the reference, per token
         kl = algos.kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask
     rewards = algos.token_rewards(scores.to(mask.device), kl, mask, kl_coef)  # [N, T]
+    if "teacher_logp" in batch:  # on-policy distillation: coef (log teacher - log student) per token
+        batch["distill_rest"] = rewards
+        batch["distill"] = algos.distill_advantage(batch["old_logp"], batch["teacher_logp"], mask,
+                                                   args.distill.distill_coef)  # [N, T]
+        rewards = rewards + batch["distill"]
     adv, returns = algos.gae(rewards, batch["values"], mask, args.gamma, args.lam)  # [N, T]
     if args.whiten_advantages:
         moments = torch.stack(algos.masked_moments(adv, mask))  # [3]: sum, sum of squares, count
@@ -243,7 +253,7 @@ def adapt_kl(kl_coef: float, kl, failed, args: Args, plan) -> float:
                                   int(seen["n"]))
 
 
-def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, plan):
+def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, teacher, plan):
     """Reduce this step's numbers over the trainers (run.reduce_step); rank 0's metrics, else None."""
     mask = batch["loss_mask"]  # [N, T]
     error = (batch["returns"] - batch["values"]) * mask  # [N, T] what the critic missed at rollout
@@ -251,8 +261,9 @@ def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, 
     total, peak = reduce_step(step, got, mask, timer, engine, plan, sums={
         **train[0], "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(),
         "returns": batch["returns"].sum(), "returns_sq": batch["returns"].square().sum(),
-        "error": error.sum(), "error_sq": error.square().sum()},
-        maxes={**train[1], **sync, "values_s": s["values"], "critic_s": s["critic_train"]})
+        "error": error.sum(), "error_sq": error.square().sum(), **teacher.sums(batch)},
+        maxes={**train[1], **sync, "values_s": s["values"], "critic_s": s["critic_train"],
+               "teacher_s": s.get("teacher", 0.0)})
     if plan.rank != 0:
         return None
     S = max(1.0, total["scored"])  # completions with a reward
@@ -267,7 +278,7 @@ def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, 
         "train/value_clip_frac": total.get("value_clipped", 0.0) / T,
         "train/explained_variance": 1 - var_error / var_returns if var_returns > 1e-12 else 0.0,
         "train/value_grad_norm": peak.get("value_grad_norm", 0.0), "perf/values_s": peak["values_s"],
-        "perf/critic_train_s": peak["critic_s"]})
+        "perf/critic_train_s": peak["critic_s"], **teacher.metrics(total, peak)})
     return metrics
 
 
@@ -310,6 +321,7 @@ if __name__ == "__main__":
     rm = None
     if args.reward.reward_model:
         rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
+    teacher = Teacher(args.distill, plan, device, param_dtype, args.temperature, args.micro_batch_size)
     bucket_bytes = int(args.layout.sync_bucket_mb * 2**20)
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
@@ -343,6 +355,7 @@ if __name__ == "__main__":
         if ref:
             with timer("reference"):
                 batch["ref_logp"] = ref.logprobs(batch)  # [N, T]
+        teacher.score(batch, timer)  # --teacher-model: its log-probs of the sampled tokens
         with timer("values"):
             batch["values"] = critic.values(batch)  # [N, T]
 
@@ -352,7 +365,8 @@ if __name__ == "__main__":
         # update: the actor's clipped surrogate, then the critic's clipped value loss, per minibatch
         train = update(actor, critic, batch, args, plan, timer)
 
-        metrics = log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, plan)
+        metrics = log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, teacher,
+                           plan)
         kl_coef = adapt_kl(kl_coef, kl, got.failed, args, plan)
         if run.end_of_step(step, metrics, train, ({"kl_coef": kl_coef}, {})):
             break

@@ -1,13 +1,24 @@
-"""LoRA against full fine-tuning on the default task (GRPO, 2 CPU ranks, the shipped tiny model):
-a learning-rate sweep of LoRA on seed 0, then full fine-tuning and LoRA at the best rate on every
-seed, at the same number of steps. Prints held-out accuracy at the end, its mean over the seeds,
-and each run's training seconds per step and peak memory.
+"""LoRA against full fine-tuning (GRPO, 2 CPU ranks).
+
+Learning, on the default task and the shipped tiny model: a learning-rate sweep of LoRA on seed 0,
+then full fine-tuning and LoRA at the best rate on every seed, at the same number of steps. Prints
+held-out accuracy at the end, its mean over the seeds, and each run's training seconds per step
+and peak memory.
 
     python bench/lora.py [--steps 200] [--seeds 0 1 2] [--rank 8] [--lrs 1e-3 3e-3 1e-2]
+
+Cost (--cost), at the default model and a random ~100M-parameter one of the same tokenizer: 4
+steps of full fine-tuning and of LoRA, both with a KL term (full: a reference model; LoRA: the
+actor with its adapters off), a length reward (a random model never answers a sum). Prints the
+training phase's seconds per step (median of steps 2-4), the measured peak memory the run added
+(RSS; MALLOC_MMAP_THRESHOLD_ so that freed tensors leave it) and the memory plan's estimate.
+
+    python bench/lora.py --cost [--rank 8]
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,6 +49,58 @@ def run(steps: int, seed: int, lr: float, rank: int) -> dict:
     return got
 
 
+HUNDRED_M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64)
+
+
+def length(prompts, completions, **columns):
+    """The cost runs' reward: longer is better (any model can earn it)."""
+    return [len(c) / 10 for c in completions]
+
+
+def cost(model: str, rank: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "train_grpo.py", "--model", model, "--steps", "4", "--prompts-per-step", "8",
+               "--num-generations", "4", "--max-new-tokens", "32", "--micro-batch-size", "8",
+               "--kl-coef", "0.05", "--rewards", "bench.lora:length", "--eval-every", "0",
+               "--save-every", "0", "--no-save-final", "--run-dir", d]
+        if rank:
+            cmd += ["--lora-rank", str(rank), "--lora-alpha", str(2 * rank), "--lr", "3e-3"]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                           env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        if p.returncode:
+            sys.exit(p.stderr[-3000:])
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            ms = [m for m in map(json.loads, f) if not m.get("final")]
+    unit, plan = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", p.stdout).groups()
+    got = {"mode": f"LoRA r={rank}" if rank else "full",
+           "train_s": statistics.median(m["perf/train_s"] for m in ms[1:]),
+           "step_s": statistics.median(m["perf/step_s"] for m in ms[1:]),
+           "peak_gib": max(m["perf/peak_mem_added_gib"] for m in ms),
+           "plan_gib": float(plan) / (1024 if unit == "MiB" else 1)}
+    print(json.dumps(got), flush=True)
+    return got
+
+
+def cost_table(rank: int):
+    from utils.model import read_config
+    from utils.tiny import random_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        big = os.path.join(d, "100m")
+        random_checkpoint(big, seed=0, **HUNDRED_M)
+        rows = []
+        for name, model in (("default", "assets/arith-tiny"), ("~100M", big)):
+            params = read_config(os.path.join(ROOT, model)).num_params()  # joined to an absolute path: it
+            rows += [{"model": f"{name} ({params / 1e6:.1f}M)", **cost(model, r)} for r in (0, rank)]
+    print(f"\n{'model':<16} {'mode':<10} {'train s/step':>12} {'step s':>8} {'peak added GiB':>14} "
+          f"{'plan GiB':>9}")
+    for r in rows:
+        print(f"{r['model']:<16} {r['mode']:<10} {r['train_s']:>12.3f} {r['step_s']:>8.3f} "
+              f"{r['peak_gib']:>14.3f} {r['plan_gib']:>9.3f}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
@@ -45,7 +108,10 @@ if __name__ == "__main__":
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--full-lr", type=float, default=3e-4, help="the default run's")
+    ap.add_argument("--cost", action="store_true", help="seconds and memory, full vs LoRA, at two sizes")
     a = ap.parse_args()
+    if a.cost:
+        sys.exit(cost_table(a.rank))
     sweep = [run(a.steps, a.seeds[0], lr, a.rank) for lr in a.lrs]
     best = max(sweep, key=lambda r: r["acc"])["lr"]
     rows = sweep + [run(a.steps, s, best, a.rank) for s in a.seeds[1:]]

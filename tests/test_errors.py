@@ -55,6 +55,11 @@ CASES = [  # (flags, what the error line must say)
     (["--lr", "-1"], "--lr -1.0: use a positive learning rate"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: use 1 or more"),
     (["--num-generations", "1"], "--num-generations 1: use 2 or more"),
+    (["--num-generations", "1", "--teacher-model", "assets/arith-teacher"], "(1 only for distillation alone"),
+    (["--teacher-model", "{tmp}/other_tokenizer"], "--teacher-model {tmp}/other_tokenizer has another "
+     "tokenizer than --model assets/arith-tiny: the teacher scores the policy's token ids"),
+    (["--teacher-model", "{tmp}/nothing"], "--teacher-model: checkpoint directory"),
+    (["--distill-coef", "0", "--teacher-model", "assets/arith-teacher"], "--distill-coef 0.0: use a"),
     (["--temperature", "0"], "--temperature 0.0: use a positive number"),
     (["--top-p", "1.5"], "--top-p 1.5: use a number in (0, 1]"),
     (["--clip-low", "1"], "--clip-low 1.0: use a number in [0, 1)"),
@@ -154,6 +159,7 @@ PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own ch
     (["--critic-model", "{tmp}/other_tokenizer"], "other_tokenizer has another tokenizer than --model "
      "assets/arith-tiny: the critic values the policy's token ids"),
     (["--kl-horizon", "100"], "--kl-horizon 100: it only applies to a --kl-target"),
+    (["--teacher-model", "{tmp}/other_tokenizer"], "has another tokenizer than --model assets/arith-tiny"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
     (["--rewards", "judge"], "the generative judge (--judge-model) is train_grpo.py's"),

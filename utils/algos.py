@@ -48,6 +48,17 @@ def kl_estimate(logp, ref_logp, kind: str):
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
 
 
+def distill_advantage(student_logp, teacher_logp, mask, coef: float):
+    """On-policy distillation's per-token signal (Agarwal et al. 2024, GKD; Thinking Machines, "On-
+    Policy Distillation", 2025): on the student's own samples, the reverse KL KL(student || teacher)
+    estimated at each sampled token by k1 = log pi_student - log pi_teacher, negated, scaled by
+    `coef` and used as that token's advantage, undiscounted (a token is judged by the teacher's view
+    of it alone). k1 rather than k3: as an advantage its expectation under the student's sampling is
+    the reverse KL's policy gradient, the recipe's; k3's is not. 0 where the teacher agrees, exactly.
+    student_logp, teacher_logp, mask [B, T] -> [B, T], 0 outside the mask."""
+    return coef * (teacher_logp - student_logp) * mask
+
+
 def clipped_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float):
     """PPO's clipped objective as a per-token loss (Schulman et al. 2017, eq. 7), with DAPO's
     decoupled clip range [1 - clip_low, 1 + clip_high] (Yu et al. 2025). Advantages are per
