@@ -63,6 +63,8 @@ def test_the_plan_follows_the_layout():
     assert one.held == {"weights": 4 * P, "adam": 8 * P} and eight.held == {"weights": 4 * P // 8, "adam": P}
     assert one.phases["generate"]["engine"] == 2 * P  # the engine's copy is whole on every rank
     assert one.phases["train"]["grads"] == 8 * eight.phases["train"]["grads"]
+    taught = estimate(cfg, "colocate", 8, 0, Workload(**{**w.__dict__, "teacher": ModelConfig(**MID)}))
+    assert taught["trainer"].held["teacher"] == 4 * P // 8  # --teacher-model: sharded like the reference
     split = estimate(cfg, "disaggregate", 4, 4, w)
     assert "generate" not in split["trainer"].phases and set(split["rollout"].phases) == {"generate"}
     assert set(split["rollout"].held) == {"sync_buffers"}  # a rollout rank keeps no optimizer state
