@@ -57,6 +57,9 @@ class DynamicSamplingArgs:
              f"it drops groups whose rewards are all equal, which carry no signal only under a group "
              f"baseline (grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}; drop one of "
              f"the two"),
+            ("dynamic_sampling", not self.dynamic_sampling or not args.distill.alone(args.reward),
+             "off with distillation alone: every reward is weighted 0, so every group would look alike "
+             "and be dropped"),
             ("ds_oversampling", 0 < self.ds_oversampling < math.inf, "a positive factor such as 1.2"),
             ("ds_max_refills", self.ds_max_refills >= 0, "0 (one wave) or more")])
 

@@ -60,6 +60,8 @@ CASES = [  # (flags, what the error line must say)
      "tokenizer than --model assets/arith-tiny: the teacher scores the policy's token ids"),
     (["--teacher-model", "{tmp}/nothing"], "--teacher-model: checkpoint directory"),
     (["--distill-coef", "0", "--teacher-model", "assets/arith-teacher"], "--distill-coef 0.0: use a"),
+    (["--dynamic-sampling", "--teacher-model", "assets/arith-teacher", "--reward-weights", "0"],
+     "--dynamic-sampling True: use off with distillation alone"),
     (["--temperature", "0"], "--temperature 0.0: use a positive number"),
     (["--top-p", "1.5"], "--top-p 1.5: use a number in (0, 1]"),
     (["--clip-low", "1"], "--clip-low 1.0: use a number in [0, 1)"),
