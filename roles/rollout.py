@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from utils import dist
+from utils.errors import newest_checkpoint
 from utils.engines import SamplingParams, Samples
 
 
@@ -74,7 +75,7 @@ class RemoteEngine:
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
-                            f"(see its output above). The trainers stop here; the last checkpoint is intact. "
+                            f"(see its output above). The trainers stop here. {newest_checkpoint()} "
                             f"({e})")
 
     def _send(self, msg, ticket=None):
@@ -257,7 +258,7 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
         if plan.role == "rollout":  # trainer 0 stopped (on a mistake it reports, or it died): nothing to add
             leave(engine, f"rollout rank {plan.rank}: trainer 0 went away before the first weights; stopping")
         raise RuntimeError(f"the rollout ranks stopped answering while the weight transfer was set up: one "
-                           f"died or hung (see its output above); the last checkpoint is intact "
+                           f"died or hung (see its output above). {newest_checkpoint()} "
                            f"({str(e)[:200]})") from e
 
 

@@ -373,9 +373,11 @@ def recv_or_fail(src: int, awaited: str, group=None):
     try:
         return recv_obj(src, group)
     except RuntimeError as e:
+        from utils.errors import newest_checkpoint
+
         raise RuntimeError(f"rank {src} stopped answering while this rank waited for {awaited}: it died or "
-                           f"hung (see its output above). This rank stops too; the last checkpoint is "
-                           f"intact. ({str(e)[:200]})") from e
+                           f"hung (see its output above). This rank stops too. {newest_checkpoint()} "
+                           f"({str(e)[:200]})") from e
 
 
 def wait_all(handles: list) -> list:

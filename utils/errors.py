@@ -145,7 +145,7 @@ def _peer_met_mistake() -> bool:
 RUN_DIR = None  # the run's --run-dir (run.parse sets it): the lost-peer line names its newest checkpoint
 
 
-def _newest() -> str:
+def newest_checkpoint() -> str:
     """Where a lost peer leaves the run: its newest complete checkpoint, or none."""
     if RUN_DIR is None:
         return "The newest complete checkpoint in --run-dir is intact: --resume auto goes on from it."
@@ -172,8 +172,8 @@ def _report(kind, error, tb):
         os._exit(1)  # another rank met a mistake and says it; this one only lost its peer
     if lost_peer(error) and os.environ.get("RL_DEBUG") != "1":
         print(f"error: (rank {rank}) another rank stopped answering in a collective: it died, its node went "
-              f"away, or it hung longer than --timeout-s (see its output, or its node's). {_newest()} "
-              f"({str(error)[:160]})",
+              f"away, or it hung longer than --timeout-s (see its output, or its node's). "
+              f"{newest_checkpoint()} ({str(error)[:160]})",
               file=stderr, flush=True)
         os._exit(1)
     if not issubclass(kind, UserError) or os.environ.get("RL_DEBUG") == "1":
