@@ -138,6 +138,7 @@ class FusedDecoder:
                 layer.input_layernorm, _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
                 a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm,
                 _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight, qk_norm))
+        self.call_layers = self.layers  # what `__call__` runs (`prepare` merges LoRA adapters in)
 
     def __call__(self, tokens, positions, mask, cache: KVCache):
         """tokens, positions [B, S]; mask bool [B, 1, S, L]; returns last-position logits [B, V]."""
