@@ -208,6 +208,14 @@ class Scorer:
                 rewards = rewards + parts["overlong"]
         return rewards, parts, failed
 
+    def check_rows(self, rows: list[dict]):
+        """The built-in code term runs each completion with its row's `tests` column: a dataset
+        without one is one error before the first step (it would fail every sample)."""
+        if "code" in self.names and "tests" not in rows[0]:
+            raise UserError(f"--rewards code runs each completion with its row's `tests` column, which the "
+                            f"dataset has not (its columns: {', '.join(sorted(rows[0]))}): add one, or use "
+                            f"other --rewards")
+
     def last_failure(self) -> str:
         if self.judge and self.judge.last_error:
             return f"the judge: {self.judge.last_error}"

@@ -55,6 +55,8 @@ CASES = [  # (flags, what the error line must say)
     (["--lr", "-1"], "--lr -1.0: use a positive learning rate"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: use 1 or more"),
     (["--num-generations", "1"], "--num-generations 1: use 2 or more"),
+    (["--rewards", "code"], "--rewards code runs each completion with its row's `tests` column, which the "
+     "dataset has not (its columns: answer, ids, prompt, text)"),
     (["--num-generations", "1", "--teacher-model", "assets/arith-teacher"], "(1 only for distillation alone"),
     (["--teacher-model", "{tmp}/other_tokenizer"], "--teacher-model {tmp}/other_tokenizer has another "
      "tokenizer than --model assets/arith-tiny: the teacher scores the policy's token ids"),
@@ -224,7 +226,7 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
 @pytest.mark.parametrize("script,flags,says", IN_PROCESS, ids=map(case_id, IN_PROCESS))
 def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, says, inputs, tmp_path,
                                                                 monkeypatch):
-    from roles.reward import Reward
+    from roles.reward import Scorer
     from run import load_prompts
     from utils.data import Tokenizer
     from utils.model import read_config
@@ -238,8 +240,8 @@ def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, s
         if script == "train_rm.py":
             read_config(args.model), Tokenizer(args.model)
         else:  # then, after the group, the prompts and the reward terms (launched: one of each kind)
-            load_prompts(args.data, Tokenizer(args.data.model), args.env)
-            Reward(args.reward.rewards)
+            rows = load_prompts(args.data, Tokenizer(args.data.model), args.env)[0]
+            Scorer(args.reward, None, None, 0, "cpu", args.max_new_tokens).check_rows(rows)
     assert says in str(e.value)
 
 
