@@ -422,15 +422,18 @@ def check_engine(kind: str, placement: str):
             raise UserError(PLUGIN_NEEDED)
 
 
+def engine_kind(kind: str, device) -> str:
+    """--engine auto: vLLM on GPU when it is installed, else the native engine."""
+    if kind != "auto":
+        return kind
+    return "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "native"
+
+
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
                 seed=0, own_process=False, lora_rank: int = 0):
-    """--engine auto: vLLM on GPU when it is installed, else the native engine. lora_rank: a vLLM
-    engine serving LoRA adapters of this rank (--lora-vllm adapters)."""
-    if kind == "auto":
-        kind = "native"
-        if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm"):
-            kind = "vllm"
-    if kind == "vllm":
+    """The engine --engine names (`engine_kind`). lora_rank: a vLLM engine serving LoRA adapters of
+    this rank (--lora-vllm adapters)."""
+    if engine_kind(kind, device) == "vllm":
         return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
                           lora_rank=lora_rank)
     return NativeEngine(cfg, tokenizer, device, dtype)

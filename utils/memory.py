@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from utils import lora
+from utils.engines import engine_kind
 from utils.model import ModelConfig, read_config
 
 GIB = 2**30
@@ -162,7 +163,8 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
     rows = args.prompts_per_step // dp * args.num_generations
     judge_args = getattr(args, "judge", None)  # train_grpo.py's
     judge = judge_args.judge_model if judge_args else None
-    gpu_vllm = args.engine == "vllm" and device.type == "cuda"
+    native = engine_kind(args.engine, device) == "native"
+    gpu_vllm = not native and device.type == "cuda"
     value = read_config(critic) if critic else None  # a value model: one score per token
     value = value if value is None or value.scores else value.with_score_head(1)
     w = Workload(param_bytes=2 if args.param_dtype == "bfloat16" else 4, micro_batch=args.micro_batch_size,
@@ -176,7 +178,7 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
                  vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.layout.sync_bucket_mb * 2**20),
                  device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0,
                  lora_params=lora.count(cfg, args.lora),
-                 lora_merged=lora.adapted(cfg, args.lora) if args.engine == "native" else 0)
+                 lora_merged=lora.adapted(cfg, args.lora) if native else 0)
     return describe(estimate(cfg, mode, dp, rollout, w))
 
 
