@@ -209,8 +209,7 @@ class Scorer:
         return rewards, parts, failed
 
     def check_rows(self, rows: list[dict]):
-        """The built-in code term runs each completion with its row's `tests` column: a dataset
-        without one is one error before the first step (it would fail every sample)."""
+        """The code term on a dataset without a `tests` column: one error now, not every sample failing."""
         if "code" in self.names and "tests" not in rows[0]:
             raise UserError(f"--rewards code runs each completion with its row's `tests` column, which the "
                             f"dataset has not (its columns: {', '.join(sorted(rows[0]))}): add one, or use "
@@ -229,8 +228,7 @@ class Reward:
         if len(weights) != len(names):
             raise UserError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
         self.terms = [(n, None if n in ("rm", "judge") else resolve(n), w) for n, w in zip(names, weights)]
-        self.timeout_s = timeout_s
-        self.failures = {}  # reward name -> what the last of its failed samples raised
+        self.timeout_s, self.failures = timeout_s, {}  # failures: name -> what its last failed sample raised
         if "code" in names:
             check_sandbox()
             self.terms = [(n, functools.partial(fn, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
@@ -242,14 +240,10 @@ class Reward:
         Returns (rewards [N], {term name: [N]}, failed [N] bool): a sample whose term raised,
         timed out or gave NaN/inf has no reward (it reads 0 here; the trainer leaves it out of its
         group's statistics and of the loss)."""
-        total = torch.zeros(len(completions))
+        total, parts = torch.zeros(len(completions)), {}
         failed = torch.zeros(len(completions), dtype=torch.bool)
-        parts = {}
         for name, fn, w in self.terms:
-            # the code term has its own per-sample limits, in the sandbox
-            timeout_s = self.timeout_s
-            if name == "code":
-                timeout_s = None
+            timeout_s = None if name == "code" else self.timeout_s  # code: its own limits, in the sandbox
             if name in ("rm", "judge"):
                 given = rm if name == "rm" else judge
                 scores, term_failed = given.tolist(), (~torch.isfinite(given)).tolist()

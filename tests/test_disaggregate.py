@@ -172,7 +172,7 @@ def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
     assert all(p.returncode != 0 for p in procs[:2])
     said = outs[0][1] + outs[1][1]
     assert "rollout rank 2 stopped answering" in said, outs[0][1][-2000:]
-    assert "--resume auto goes on from it" in said or "No checkpoint was saved" in said  # names where it stands
+    assert "--resume auto goes on from it" in said or "No checkpoint was saved" in said  # where it stands
     assert len(metrics(run)) < 200
 
 
