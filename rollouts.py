@@ -89,7 +89,6 @@ class OnPolicy:
 
     def __init__(self, engine, scorer, rows: list[dict], args, plan):
         self.engine, self.scorer, self.rows, self.args, self.plan = engine, scorer, rows, args, plan
-        scorer.check_rows(rows)
         self.n = args.num_generations
         overlong = getattr(args, "overlong", None)  # train_ppo.py has no --mask-truncated
         self.mask_truncated = bool(overlong and overlong.mask_truncated)

@@ -306,6 +306,7 @@ if __name__ == "__main__":
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
     rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
+    args.reward.check_rows(rows)  # the columns the reward terms read
     serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
     engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
                         args.run.seed, lora_rank=serve_lora)

@@ -144,6 +144,13 @@ class RewardArgs:
             self.reward_model = local_dir(self.reward_model, "--reward-model")
             reward_model.check(self.reward_model, data.model)
 
+    def check_rows(self, rows: list[dict]):
+        """The code term on a dataset without a `tests` column: one error now, not every sample failing."""
+        if "code" in self.rewards and "tests" not in rows[0]:
+            raise UserError(f"--rewards code runs each completion with its row's `tests` column, which the "
+                            f"dataset has not (its columns: {', '.join(sorted(rows[0]))}): add one, or use "
+                            f"other --rewards")
+
 
 @dataclass
 class OverlongArgs:
@@ -207,13 +214,6 @@ class Scorer:
                 parts["overlong"] = penalty * ~failed
                 rewards = rewards + parts["overlong"]
         return rewards, parts, failed
-
-    def check_rows(self, rows: list[dict]):
-        """The code term on a dataset without a `tests` column: one error now, not every sample failing."""
-        if "code" in self.names and "tests" not in rows[0]:
-            raise UserError(f"--rewards code runs each completion with its row's `tests` column, which the "
-                            f"dataset has not (its columns: {', '.join(sorted(rows[0]))}): add one, or use "
-                            f"other --rewards")
 
     def last_failure(self) -> str:
         if self.judge and self.judge.last_error:

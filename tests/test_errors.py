@@ -226,7 +226,7 @@ def test_a_mistake_ends_in_one_error_line(script, flags, says, inputs, tmp_path)
 @pytest.mark.parametrize("script,flags,says", IN_PROCESS, ids=map(case_id, IN_PROCESS))
 def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, says, inputs, tmp_path,
                                                                 monkeypatch):
-    from roles.reward import Scorer
+    from roles.reward import Reward
     from run import load_prompts
     from utils.data import Tokenizer
     from utils.model import read_config
@@ -241,7 +241,8 @@ def test_a_mistake_before_the_process_group_says_what_to_change(script, flags, s
             read_config(args.model), Tokenizer(args.model)
         else:  # then, after the group, the prompts and the reward terms (launched: one of each kind)
             rows = load_prompts(args.data, Tokenizer(args.data.model), args.env)[0]
-            Scorer(args.reward, None, None, 0, "cpu", args.max_new_tokens).check_rows(rows)
+            args.reward.check_rows(rows)
+            Reward(args.reward.rewards)
     assert says in str(e.value)
 
 
