@@ -53,17 +53,12 @@ HUNDRED_M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, 
                  num_key_value_heads=4, head_dim=64)
 
 
-def length(prompts, completions, **columns):
-    """The cost runs' reward: longer is better (any model can earn it)."""
-    return [len(c) / 10 for c in completions]
-
-
 def cost(model: str, rank: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "train_grpo.py", "--model", model, "--steps", "4", "--prompts-per-step", "8",
                "--num-generations", "4", "--max-new-tokens", "32", "--micro-batch-size", "8",
-               "--kl-coef", "0.05", "--rewards", "bench.lora:length", "--eval-every", "0",
+               "--kl-coef", "0.05", "--rewards", "tests.helpers.rewards:length_bonus", "--eval-every", "0",
                "--save-every", "0", "--no-save-final", "--run-dir", d]
         if rank:
             cmd += ["--lora-rank", str(rank), "--lora-alpha", str(2 * rank), "--lr", "3e-3"]
