@@ -3,7 +3,9 @@ model scores every sampled token, and the per-token reverse KL between them is a
 (Agarwal et al. 2024, "On-Policy Distillation of Language Models"; Qwen3 technical report, 2025;
 Thinking Machines, "On-Policy Distillation", 2025). The teacher is the reference role's machinery
 (roles/reference.py: sharded by FSDP2 over the trainer ranks, frozen, log-probs only) on another
-checkpoint with the policy's tokenizer. Colocated it is held for the run, as the reference is.
+checkpoint with the policy's tokenizer. On an accelerator its shards leave the device between
+steps (`Reference.release`: a host copy made once, the storages freed), so the engine's generation
+and the training phase never hold it; on CPU, where device memory is host memory, it stays.
 
 One call in the step loop, after the batch is made (`Teacher.score`: batch["teacher_logp"]);
 nothing when --teacher-model is not given. The signal itself is the algorithm's (utils/algos.py
@@ -49,12 +51,14 @@ class DistillArgs:
 class Teacher:
     """The teacher's log-probs of each step's sampled tokens, and the distillation metrics."""
 
-    def __init__(self, cfg: DistillArgs, plan, device, param_dtype, temperature: float, micro_batch: int):
+    def __init__(self, cfg: DistillArgs, plan, device, param_dtype, temperature: float, micro_batch: int,
+                 releases: bool | None = None):
         self.cfg = cfg
         self.model = None
         if cfg.teacher_model:
+            releases = device.type != "cpu" if releases is None else releases  # tests release on CPU
             self.model = Reference(cfg.teacher_model, plan.mesh, device, param_dtype, temperature,
-                                   micro_batch)
+                                   micro_batch, releases)
 
     def score(self, batch, timer):
         """batch["teacher_logp"] [N, T]: the teacher's log-probs of the completion tokens (at the

@@ -63,8 +63,12 @@ def test_the_plan_follows_the_layout():
     assert one.held == {"weights": 4 * P, "adam": 8 * P} and eight.held == {"weights": 4 * P // 8, "adam": P}
     assert one.phases["generate"]["engine"] == 2 * P  # the engine's copy is whole on every rank
     assert one.phases["train"]["grads"] == 8 * eight.phases["train"]["grads"]
-    taught = estimate(cfg, "colocate", 8, 0, Workload(**{**w.__dict__, "teacher": ModelConfig(**MID)}))
+    taught_w = Workload(**{**w.__dict__, "teacher": ModelConfig(**MID)})
+    taught = estimate(cfg, "colocate", 8, 0, taught_w)
     assert taught["trainer"].held["teacher"] == 4 * P // 8  # --teacher-model: sharded like the reference
+    released = Workload(**{**taught_w.__dict__, "teacher_released": True})  # on a GPU, off between steps
+    released = estimate(cfg, "colocate", 8, 0, released)["trainer"]
+    assert "teacher" not in released.held and released.phases["teacher"] == {"teacher": 4 * P // 8}
     split = estimate(cfg, "disaggregate", 4, 4, w)
     assert "generate" not in split["trainer"].phases and set(split["rollout"].phases) == {"generate"}
     assert set(split["rollout"].held) == {"sync_buffers"}  # a rollout rank keeps no optimizer state

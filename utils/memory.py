@@ -6,7 +6,7 @@ A rank holds some memory for the whole run and the rest one phase at a time (the
 its weights before training: `release`), so its peak is held + the largest phase. In bytes, for
 P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of the param dtype:
 - held: the fp32 master shards and Adam's two moments, 4 + 8 bytes per parameter over d; the
-  reference, reward model and distillation teacher's fp32 shards; PPO's critic's own shards and
+  reference, reward model and (on CPU) the distillation teacher's fp32 shards; PPO's critic's own shards and
   moments. With LoRA (L adapter parameters): the base and the adapters' shards, 4 (P + L) / d,
   moments for the adapters only, 8 L / d, and no reference (it is the actor with its adapters off).
 - train: the gradient shards (4 P / d, LoRA 4 L / d; with a single micro-batch, the larger of them and the
@@ -24,6 +24,8 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
   takes its `gpu_memory_utilization` share of the device. With LoRA the native engine keeps
   its base copy for the run (held), and generation adds the merged copy of the adapted weights.
 - judge (GRPO, an engine judge): the same for the judge model, at its own phase.
+- teacher (on an accelerator, where it leaves the device between steps: roles/teacher.py): its
+  fp32 shards, at its own phase.
 - sync_buffers (disaggregate): trainer 0's and each rollout rank's two reusable buckets for the
   weight broadcast, of which the weights touch min(2 x --sync-bucket-mb, their size in p).
 """
@@ -52,6 +54,7 @@ class Workload:
     critic: ModelConfig | None = None
     reward_model: ModelConfig | None = None
     teacher: ModelConfig | None = None  # --teacher-model
+    teacher_released: bool = False  # on an accelerator: its shards leave the device between steps
     judge: ModelConfig | None = None
     judge_len: int = 0  # the judge's prompt + its answer, in tokens
     vllm_share: float = 0.0  # vLLM on a GPU: its gpu_memory_utilization of device_bytes
@@ -121,7 +124,11 @@ def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) ->
     if w.reward_model is not None:
         trainer.held["reward_model"] = 4 * w.reward_model.num_params() // dp
     if w.teacher is not None:
-        trainer.held["teacher"] = 4 * w.teacher.num_params() // dp
+        shards = 4 * w.teacher.num_params() // dp
+        if w.teacher_released:
+            trainer.phases["teacher"] = {"teacher": shards}
+        else:
+            trainer.held["teacher"] = shards
     if w.critic is not None:
         C = w.critic.num_params()
         trainer.held.update({"critic": 4 * C // dp, "critic_adam": 8 * C // dp})
@@ -173,6 +180,7 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
                  reward_model=read_config(args.reward.reward_model) if args.reward.reward_model else None,
                  judge=read_config(judge) if judge else None,
                  teacher=read_config(teacher) if (teacher := args.distill.teacher_model) else None,
+                 teacher_released=device.type != "cpu",  # as roles/teacher.py decides
                  judge_len=prompt_len + args.max_new_tokens + 512  # the judge template's own words
                  + (judge_args.judge_max_new_tokens if judge_args else 0),
                  vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.layout.sync_bucket_mb * 2**20),

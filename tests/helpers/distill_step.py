@@ -2,8 +2,9 @@
 fixed global batch (each rank its rows): the teacher's log-probs of the sampled tokens, the
 per-token advantage coef (log teacher - log student) through train_grpo.advantages, one optimizer
 step. Rank 0 writes the student's weights after it to OUT, and to OUT.txt whether the teacher's
-weights are unchanged with no gradient, and whether a teacher that is the student's own checkpoint
-gives a term of exactly 0."""
+weights are unchanged with no gradient, whether a teacher that is the student's own checkpoint
+gives a term of exactly 0, and whether the teacher, released as on a GPU, frees its shards between
+uses and scores the same after."""
 import os
 import sys
 from functools import partial
@@ -29,7 +30,7 @@ actor = Actor(student, plan.mesh, device, lr=1e-2, warmup_steps=1, weight_decay=
               micro_batch_size=2)
 args = Args(num_generations=1, kl_coef=0.0, distill=DistillArgs(teacher_dir, distill_coef=0.5),
             reward=RewardArgs(reward_weights=(0.0,)))
-teacher = Teacher(args.distill, plan, device, torch.float32, 1.0, micro_batch=2)
+teacher = Teacher(args.distill, plan, device, torch.float32, 1.0, micro_batch=2, releases=True)  # as on a GPU
 own = Teacher(DistillArgs(student), plan, device, torch.float32, 1.0, micro_batch=2)
 before = {k: v.clone() for k, v in dist.full_tensors(teacher.model.model, exact=True)}
 
@@ -47,13 +48,18 @@ got = SimpleNamespace(rewards=torch.zeros(n), scored=torch.ones(n, dtype=torch.b
 own.score(mine, Timer())
 zero = torch.equal(own.model.logprobs(mine), mine["old_logp"])  # the same weights, the same ops
 teacher.score(mine, Timer())
+released = sum(s.nbytes() for s in teacher.model.shards) == 0  # between uses: no device memory
+again = dict(mine)
+teacher.score(again, Timer())  # back from the host copy: the same weights, the same ops
+released = released and torch.equal(again["teacher_logp"], mine["teacher_logp"])
 mine["adv"] = advantages(got, mine, args, plan)  # [n, T]: the distillation term alone
 actor.train_step(mine, partial(loss_fn, args=args), float(batch["loss_mask"].sum()) / world)
 after = {k: v.clone() for k, v in actor.full_weights()}
+teacher.model.load()  # to read its weights
 frozen = all(p.grad is None and not p.requires_grad for p in teacher.model.model.parameters())
 frozen = frozen and all(torch.equal(v, before[k]) for k, v in dist.full_tensors(teacher.model.model, True))
 if rank == 0:
     save_file(after, out)
     with open(out + ".txt", "w") as f:
-        f.write(f"{frozen} {zero} {float(mine['adv'].abs().sum()) > 0}")
+        f.write(f"{frozen} {zero} {float(mine['adv'].abs().sum()) > 0} {released}")
 dist.exit_now(0)
