@@ -63,12 +63,14 @@ def test_ppo_runs_episodes_with_the_critic_on_the_models_tokens(tmp_path):
         assert abs(r["train/explained_variance"]) < 10  # finite: GAE ran over the model's tokens only
 
 
-def test_fifty_steps_raise_the_tool_call_rate_and_the_reward(tmp_path):
+def test_twenty_steps_raise_the_tool_call_rate_and_the_reward(tmp_path):
     """From ~1 call in 5 samples: a call whose result is copied is right, a guess is not, so GRPO
-    moves the first token toward the call."""
+    moves the first token toward the call. Measured at commit eb5eec5 (50 steps): call rate over
+    the first 5 steps 0.27, over steps 16-20 0.95; reward 0.26 -> 0.87 (the thresholds: < 0.4, > 0.7,
+    a rise > 0.3)."""
     run = str(tmp_path / "learn")
     flags = TOOL[:TOOL.index("--prompts-per-step")] + ["--prompts-per-step", "8", "--num-generations", "8"]
-    torchrun(2, "train_grpo.py", *flags, "--steps", "50", "--eval-every", "0", "--save-every", "0",
+    torchrun(2, "train_grpo.py", *flags, "--steps", "20", "--eval-every", "0", "--save-every", "0",
              "--no-save-final", "--run-dir", run, timeout=400)
     rows = [r for r in metrics(run) if not r.get("final")]
     first, last = rows[:5], rows[-5:]
