@@ -228,7 +228,7 @@ class Reward:
         if len(weights) != len(names):
             raise UserError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
         self.terms = [(n, None if n in ("rm", "judge") else resolve(n), w) for n, w in zip(names, weights)]
-        self.timeout_s, self.failures = timeout_s, {}  # failures: name -> what its last failed sample raised
+        self.names, self.timeout_s, self.failures = list(names), timeout_s, {}  # failures: name -> its error
         if "code" in names:
             check_sandbox()
             self.terms = [(n, functools.partial(fn, timeout_s=code_timeout_s, memory_mb=code_memory_mb)

@@ -53,13 +53,20 @@ class Logger:
         eta = elapsed / max(1, done - self.first) * (self.total - done) if done < self.total else 0
         g = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"  # noqa: E731
         if m.get("final"):
-            return f"final policy | eval {g('eval/accuracy')} | {elapsed:.0f}s in all"
+            return f"final policy | eval {g('eval/accuracy' if 'eval/accuracy' in m else 'eval/reward')} | " \
+                   f"{elapsed:.0f}s in all"
         if m.get("event") == "placement/rebalance":
             return (f"rebalance after step {done} | {m['placement/rebalance_why']}; the move costs about "
                     f"{g('placement/rebalance_cost_s', '{:.1f}')}s")
         if m.get("event"):
             shown = [f"{k} {v}" for k, v in m.items() if k not in ("step", "event")]
             return f"{m['event']} | " + ", ".join(shown)
+        if "perf/sample_s" in m:  # train_flow_grpo.py: images, no tokens
+            return (f"step {done:>4}/{self.total} | reward {g('rollout/reward')} | eval {g('eval/reward')} "
+                    f"| kl {g('train/kl', '{:.4f}')} | clip {g('train/clip_frac')} | sample "
+                    f"{g('perf/sample_s', '{:.2f}')}s reward {g('perf/reward_s', '{:.2f}')}s ref "
+                    f"{g('perf/reference_s', '{:.2f}')}s train {g('perf/train_s', '{:.2f}')}s "
+                    f"| {elapsed:.0f}s, eta {eta:.0f}s")
         critic = ""
         if "train/value_loss" in m:  # PPO: the critic's numbers and its phases
             critic = (f"| vloss {g('train/value_loss', '{:.4f}')} "
@@ -79,16 +86,18 @@ class Logger:
         self.file.flush()
         rows = read_metrics(self.path)
         steps = [r for r in rows if not r.get("final") and not r.get("event")]
-        evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        held = "eval/accuracy" if any("eval/accuracy" in r for r in rows) else "eval/reward"  # flow: a reward
+        evals = [r[held] for r in rows if held in r]
         total_s = time.time() - self.start
         step_s = sum(r.get("perf/step_s", 0.0) for r in steps)
         lines = []
         if evals:
-            lines.append(f"held-out accuracy {evals[0]:.3f} at the start, {evals[-1]:.3f} at the end "
+            lines.append(f"held-out {held[5:]} {evals[0]:.3f} at the start, {evals[-1]:.3f} at the end "
                          f"({len(evals)} evals)")
         if steps and step_s > 0:
             shares = []
-            for key, name in (("perf/generate_s", "generate"), ("perf/reference_s", "reference"),
+            for key, name in (("perf/generate_s", "generate"), ("perf/sample_s", "sample"),
+                              ("perf/reward_s", "reward"), ("perf/reference_s", "reference"),
                               ("perf/reward_model_s", "reward model"), ("perf/values_s", "critic values"),
                               ("perf/critic_train_s", "critic update"), ("perf/train_s", "train"),
                               ("perf/sync_s", "weight sync")):
@@ -98,9 +107,9 @@ class Logger:
             tokens = sum(r.get("perf/tokens_per_s", 0.0) * r.get("perf/step_s", 0.0) for r in steps)
             memory = max(r.get("perf/peak_mem_gib", 0.0) for r in steps)
             added = max(r.get("perf/peak_mem_added_gib", 0.0) for r in steps)
+            speed = f"{tokens / step_s:.0f} tokens/s; " if tokens else ""
             lines.append(f"{len(steps)} steps in {total_s:.0f}s ({step_s:.0f}s in steps: "
-                         f"{', '.join(shares)}); "
-                         f"{tokens / step_s:.0f} tokens/s; peak memory {memory:.2f} GiB "
+                         f"{', '.join(shares)}); {speed}peak memory {memory:.2f} GiB "
                          f"({added:.2f} GiB for the models and steps)")
         where = [f"metrics {self.path}"]
         if final_dir:

@@ -67,6 +67,60 @@ def plot(run_dir: str) -> str | None:
     return path
 
 
+def grid(images, columns: int = 12):
+    """images [N, 3, H, W] in [-1, 1] -> one [rows * (H + 1), columns * (W + 1), 3] array in [0, 1]
+    (a 1-pixel gap between images)."""
+    import torch
+
+    n, _, h, w = images.shape
+    rows = -(-n // columns)
+    out = torch.ones(rows * (h + 1), columns * (w + 1), 3) * 0.5
+    for i in range(n):
+        r, c = divmod(i, columns)
+        top, left = r * (h + 1), c * (w + 1)
+        out[top:top + h, left:left + w] = ((images[i] + 1) / 2).clamp(0, 1).permute(1, 2, 0)  # [H, W, 3]
+    return out.numpy()
+
+
+def plot_flow(run_dir: str, before, after) -> str | None:
+    """train_flow_grpo.py's picture, run_dir/curves.png: the training reward and the held-out
+    reward against steps, and the held-out images (the same prompts and noise) at the first
+    evaluation and at the end. None (and a line saying why) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no picture of the run: matplotlib is not installed (pip install matplotlib)", flush=True)
+        return None
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [r for r in rows if not r.get("final") and not r.get("event")]
+    evals = [(r["step"], r["eval/reward"]) for r in steps if "eval/reward" in r]
+    evals += [(r["step"] + 1, r["eval/reward"]) for r in rows if r.get("final") and "eval/reward" in r]
+    shown = [(name, images) for name, images in (("before", before), ("after", after)) if images is not None]
+    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(10, 3.2 + 2.4 * len(shown)),
+                             gridspec_kw={"height_ratios": [1.4] + [1] * len(shown)})
+    curve = axes[0]
+    curve.plot([r["step"] + 1 for r in steps], [r["rollout/reward"] for r in steps], lw=1, label="training")
+    if evals:
+        curve.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="held-out (ODE)")
+    curve.set_xlabel("optimizer steps")
+    curve.set_title("reward (mean per step)")
+    curve.grid(alpha=0.3)
+    curve.legend(loc="lower right", fontsize=8)
+    for ax, (name, images) in zip(axes[1:], shown):
+        ax.imshow(grid(images), interpolation="nearest")
+        ax.set_title(f"held-out samples, {name} (one per prompt, same noise)")
+        ax.axis("off")
+    fig.suptitle(run_dir)
+    fig.tight_layout()
+    path = os.path.join(run_dir, "curves.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m utils.plot RUN_DIR")
