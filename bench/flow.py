@@ -39,7 +39,8 @@ def run(flags: list[str], steps: int, seed: int) -> tuple[list[dict], float]:
 def summary(rows: list[dict]) -> dict:
     steps = [r for r in rows if "perf/step_s" in r]
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
-    out = {"start": evals[0], "end": evals[-1], "train_first5": statistics.mean(r["rollout/reward"] for r in steps[:5]),
+    out = {"start": evals[0], "end": evals[-1],
+           "train_first5": statistics.mean(r["rollout/reward"] for r in steps[:5]),
            "train_last5": statistics.mean(r["rollout/reward"] for r in steps[-5:]),
            "step_s": statistics.median(r["perf/step_s"] for r in steps)}
     for phase in PHASES:
@@ -62,9 +63,9 @@ if __name__ == "__main__":
             results[name, seed] = {**summary(rows), "wall_s": wall}
             print(json.dumps({"sampler": name, "seed": seed, **results[name, seed]}), flush=True)
 
-    print(f"\n{a.steps} steps, 8 prompts x 8 images, 10 SDE steps, 2 ranks; held-out reward (ODE, 40 steps, "
-          f"72 prompts) start -> end, its colour and compressibility terms at the end; training reward (first "
-          f"5 -> last 5 steps); median seconds per step by phase; wall time of the launch")
+    print(f"\n{a.steps} steps, 8 prompts x 8 images, 10 SDE steps, 2 ranks; held-out reward (ODE, 40 "
+          f"steps, 72 prompts) start -> end, its colour and compressibility terms at the end; training "
+          f"reward (first 5 -> last 5 steps); median seconds per step by phase; wall time of the launch")
     print(f"{'sampler':<22}{'seed':>5}{'held-out':>17}{'colour':>8}{'compress':>10}{'train':>16}"
           + "".join(f"{p:>10}" for p in PHASES) + f"{'step s':>8}{'wall s':>8}")
     for (name, seed), r in results.items():
