@@ -16,7 +16,7 @@ import typing
 import pytest
 from test_fsdp import ROOT
 
-SCRIPTS = ["train_grpo.py", "train_ppo.py", "train_rm.py"]
+SCRIPTS = ["train_grpo.py", "train_ppo.py", "train_rm.py", "train_flow_grpo.py"]
 
 
 def flag_docs(cls) -> dict[str, tuple[type, str]]:
@@ -67,7 +67,7 @@ def test_every_flag_has_a_docstring_and_help_shows_it_with_its_default(script):
     assert p.stdout.count("(default:") >= len(fields) - 2, p.stdout[-2000:]  # required flags show none
 
 
-SCRIPT = re.compile(r"\btrain_(grpo|ppo|rm)\.py\b")
+SCRIPT = re.compile(r"\btrain_(grpo|ppo|rm|flow_grpo)\.py\b")
 PLACEHOLDER = {"K": "1", "B": "2", "P": "0.5", "C": "2", "L": "0.5", "H": "2", "S": "1", "N": "2",
                "DIR": "assets/judge-tiny"}  # the letters the docs write for a value of the reader's
 

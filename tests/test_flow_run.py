@@ -79,3 +79,23 @@ def test_thirty_steps_raise_the_reward(tmp_path):
     rewards = [r["rollout/reward"] for r in metrics(run) if not r.get("final")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert len(rewards) == 30 and last > first + 0.1, (first, last)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--model", "assets/arith-tiny"], "--model: assets/arith-tiny/config.json: model_type 'qwen2' is not"),
+    (["--rewards", "accuracy"], "--rewards accuracy: use colour, position, compressibility or module:"),
+    (["--window", "11"], "--window 11"),
+    (["--prompts-per-step", "3"], "a multiple of the 2 rank(s)"),
+    (["--rewards", "colour", "--reward-weights", "1", "2"], "give one weight per term"),
+    (["--num-generations", "1"], "2 or more"),
+])
+def test_a_bad_flag_is_one_clear_error(flags, says, tmp_path):
+    import tyro
+
+    import train_flow_grpo
+    from utils.errors import UserError
+
+    args = tyro.cli(train_flow_grpo.Args, args=[*flags, "--run-dir", str(tmp_path / "run")])
+    with pytest.raises(UserError) as e:
+        train_flow_grpo.check_args(args, 2)
+    assert says in str(e.value)
