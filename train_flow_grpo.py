@@ -20,6 +20,7 @@ no weight sync): roles/flow_actor.py. Scaffolding (resume, checkpoints, SIGTERM)
 import math
 import os
 import random
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,10 +28,10 @@ import torch
 
 import placement
 from roles.flow_actor import FlowActor
-from roles.reward import Reward
+from roles.reward import Reward, resolve
 from run import Flat, Run, RunArgs, parse
 from utils import dist, flow, shapes
-from utils.data import prompt_seed, rank_slice
+from utils.data import prompt_seed
 from utils.errors import UserError, check_rules
 from utils.flow_model import read_flow_config
 from utils.image_rewards import IMAGE_REWARDS
@@ -38,6 +39,7 @@ from utils.logger import Timer
 from utils.plot import plot_flow
 
 SUM = torch.distributed.ReduceOp.SUM
+TASK = len(shapes.prompts("eval"))  # the built-in task's prompts (the grid of colour x shape x half)
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Args:
     --train-steps, the ODE elsewhere; the window slides one step later every --window-every steps
     (0: the SDE at every step)"""
     window_every: int = 10
-    """--window: optimizer steps between two moves of the window"""
+    """--window: steps (rollout batches) between two moves of the window"""
     timestep_fraction: float = 1.0
     """train a random share of the SDE steps each step (DanceGRPO's timestep_fraction; 1: all)"""
     kl_coef: float = 0.05
@@ -101,7 +103,7 @@ class Args:
     """evaluate the held-out reward every this many steps (0: never; the end always, with 1 or more)"""
     eval_prompts: int = 72
     """held-out prompts (the task's grid of colour x shape x half); one image each"""
-    run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/flow", save_every=0))
+    run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/flow", save_every=10))
 
 
 def check_args(args: Args, world: int):
@@ -116,8 +118,9 @@ def check_args(args: Args, world: int):
     check_rules(args, [
         ("steps", args.steps >= 1, "1 or more"),
         ("num_generations", args.num_generations >= 2, "2 or more (a group needs a spread)"),
-        ("prompts_per_step", args.prompts_per_step >= 1 and args.prompts_per_step % world == 0,
-         f"a multiple of the {world} rank(s)"),
+        ("prompts_per_step", 1 <= args.prompts_per_step <= TASK and args.prompts_per_step % (
+            world * args.minibatches) == 0, f"a multiple of the {world} rank(s) x --minibatches "
+         f"({args.minibatches}), at most the task's {TASK} prompts"),
         ("noise_level", 0 < args.noise_level < math.inf, "a positive number such as 0.7"),
         ("train_steps", args.train_steps >= 1, "1 or more"),
         ("eval_steps", args.eval_steps >= 1, "1 or more"),
@@ -128,16 +131,23 @@ def check_args(args: Args, world: int):
         ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (off) or a positive number"),
         ("clip_range", 0 < args.clip_range < math.inf, "a positive number such as 1e-4"),
         ("adv_clip", 0 < args.adv_clip < math.inf, "a positive number such as 5"),
-        ("minibatches", args.minibatches >= 1 and args.prompts_per_step // world * args.num_generations
-         % args.minibatches == 0, "a divisor of each rank's images per step"),
+        ("minibatches", args.minibatches >= 1, "1 or more"),
         ("lr", 0 < args.lr < math.inf, "a positive learning rate such as 3e-4"),
         ("micro_batch_size", args.micro_batch_size >= 1, "1 or more"),
         ("eval_every", args.eval_every >= 0, "0 (never) or a number of steps"),
-        ("eval_prompts", args.eval_prompts >= world, f"at least one per rank ({world})"),
+        ("eval_prompts", 1 <= args.eval_prompts <= TASK and args.eval_prompts % world == 0,
+         f"a multiple of the {world} rank(s), at most the task's {TASK} prompts"),
+        ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm such as 1"),
+        ("rewards", len(args.rewards) >= 1, "one term or more, e.g. colour compressibility"),
         ("reward_timeout_s", args.reward_timeout_s > 0, "a positive number of seconds")])
     for name in args.rewards:
         if name not in IMAGE_REWARDS and ":" not in name:
             raise UserError(f"--rewards {name}: use {', '.join(IMAGE_REWARDS)} or module:function")
+        if ":" in name:
+            resolve(name)  # imports now: a wrong module or name is one line before any model loads
+    if args.run.save_hf_every:
+        raise UserError("--save-hf-every exports language models; train_flow_grpo.py writes its final model "
+                        "(run_dir/final) and checkpoints (--save-every): drop --save-hf-every")
     if args.reward_weights and len(args.reward_weights) != len(args.rewards):
         raise UserError(f"{len(args.rewards)} --rewards but {len(args.reward_weights)} --reward-weights: "
                         "give one weight per term")
@@ -153,7 +163,11 @@ def rollout(step: int, rows: list[dict], args: Args, actor, reward, ts, plan, ti
     """This rank's prompts of step `step`, K SDE trajectories each, scored. -> xs [n, S + 1, C, H,
     W], logps [n, S], cond [n, 3], rewards [n], scored [n], parts {term: [n]}, sde_on [S]."""
     order = random.Random(f"{args.run.seed}-order-{step}").sample(range(len(rows)), args.prompts_per_step)
-    mine = rank_slice(list(enumerate(order)), plan.rank, plan.dp)  # (global index, row)
+    # this rank's share of each minibatch (global minibatch m is the same prompts on any world size)
+    P, M, W = args.prompts_per_step, args.minibatches, plan.dp
+    share = P // (M * W)
+    mine = [(i, order[i]) for m in range(M) for i in range(m * P // M + plan.rank * share,
+                                                           m * P // M + (plan.rank + 1) * share)]
     K, cfg, S = args.num_generations, actor.config, args.train_steps
     prompts = [rows[r]["prompt"] for _, r in mine for _ in range(K)]
     cond = torch.tensor([shapes.parse_prompt(p) for p in prompts], device=plan.device)  # [n, 3]
@@ -161,11 +175,22 @@ def rollout(step: int, rows: list[dict], args: Args, actor, reward, ts, plan, ti
     z = torch.cat([noises(prompt_seed(args.run.seed, step, i), (S + 1, *image), K) for i, _ in mine])
     on = flow.window(S, args.window, args.window_every, step) if args.window else None  # MixGRPO
     with timer("sample"):
-        got = flow.sample(actor.velocity, z[:, 0].to(plan.device), cond, ts, args.sde, args.noise_level,
+        velocity = partial(actor.velocity, chunks=pieces(len(prompts), args))
+        got = flow.sample(velocity, z[:, 0].to(plan.device), cond, ts, args.sde, args.noise_level,
                           on, noises=z[:, 1:].to(plan.device))
+    # DanceGRPO scores the last step's prediction of the clean image: its last SDE step leaves noise
+    image = got["x0_hat"] if args.sde == "dance_grpo" else got["image"]
     with timer("reward"):
-        rewards, parts, failed = reward.score(prompts, got["image"].clamp(-1, 1).cpu(), {})
+        rewards, parts, failed = reward.score(prompts, image.clamp(-1, 1).cpu(), {})
     return {**got, "cond": cond, "rewards": rewards, "scored": ~failed, "parts": parts, "prompts": prompts}
+
+
+def pieces(n: int, args: Args) -> list[tuple[int, int]]:
+    """This rank's rows [0, n) as the update runs them: each minibatch's rows in micro-batches of
+    --micro-batch-size. -> [(lo, hi)]."""
+    per = n // args.minibatches
+    return [(lo, min(lo + args.micro_batch_size, (m + 1) * per)) for m in range(args.minibatches)
+            for lo in range(m * per, (m + 1) * per, args.micro_batch_size)]
 
 
 def advantages(got: dict, args: Args) -> torch.Tensor:
@@ -202,33 +227,36 @@ def loss_fn(piece, got, adv, ref_mean, std, ts, args: Args, actor, norm: float):
     loss = (surrogate + args.kl_coef * kl) / norm
     clipped = ((ratio - 1).abs() > args.clip_range).float().sum()
     return loss, {"loss": float(loss.detach()) * norm, "kl": float(kl.detach()), "clip_frac": float(clipped),
-                  "ratio_dev": float((ratio.detach() - 1).abs().max())}
+                  "ratio_dev_max": float((ratio.detach() - 1).abs().max())}
 
 
 def reference_means(ref, got, steps: list[int], ts, args: Args):
     """The reference's step mean at each trained step's stored latent: [n, J, C, H, W] (None: no KL)."""
     if ref is None:
         return None
-    return flow.recompute(ref.velocity, got["xs"], got["cond"], ts, steps, args.sde, args.noise_level)[1]
+    velocity = partial(ref.velocity, chunks=pieces(len(got["xs"]), args))
+    return flow.recompute(velocity, got["xs"], got["cond"], ts, steps, args.sde, args.noise_level)[1]
 
 
 def update(actor, got, adv, steps: list[int], ref_mean, ts, args: Args, plan) -> dict:
     """--minibatches optimizer steps over this rank's images, each over every trained step of its
-    rows, micro-batch by micro-batch (the same number of pieces on every rank)."""
-    n = len(adv)
-    per = n // args.minibatches
+    rows, micro-batch by micro-batch (`pieces`: the same number on every rank). The first
+    minibatch's largest |ratio - 1| is kept apart: before any update it must be 0."""
+    per = len(adv) // args.minibatches
     std = flow.step_std(ts, steps, args.sde, args.noise_level)  # [J]
     # a mean over the minibatch's images on all ranks and its trained steps: FSDP2 averages the
     # gradients over the ranks, so each rank divides its sum by its own rows x steps
     norm = per * len(steps)
     out = {}
     for m in range(args.minibatches):
-        starts = range(m * per, (m + 1) * per, args.micro_batch_size)
-        pieces = [(lo, min(lo + args.micro_batch_size, (m + 1) * per), j, jj)
-                  for lo in starts for jj, j in enumerate(steps)]
-        sums = actor.train_step(pieces, lambda p: loss_fn(p, got, adv, ref_mean, std, ts, args, actor, norm))
-        for k, v in sums.items():
-            out[k] = out.get(k, 0.0) + v
+        mine = [(lo, hi, j, jj) for lo, hi in pieces(len(adv), args) if m * per <= lo < (m + 1) * per
+                for jj, j in enumerate(steps)]
+        sums = actor.train_step(mine, lambda p: loss_fn(p, got, adv, ref_mean, std, ts, args, actor, norm))
+        if m == 0:
+            out["ratio_dev_first"] = sums["ratio_dev_max"]
+        for k, v in sums.items():  # grad_norm, skipped and the "_max" ones: the largest
+            out[k] = max(out.get(k, 0.0), v) if k in ("grad_norm", "skipped") or k.endswith("_max") \
+                else out.get(k, 0.0) + v
     return out
 
 
@@ -247,11 +275,12 @@ def evaluate(rows: list[dict], args: Args, actor, reward, plan, timer) -> tuple[
         ts = flow.timesteps(args.eval_steps, args.shift)
         images = flow.sample(actor.velocity, z, cond, ts, "ode")["image"].clamp(-1, 1).cpu()
         total, parts, failed = reward.score(prompts, images, {})
-        sums = {"reward": total.sum(), "count": float(len(prompts)),
-                **{f"reward/{k}": v.sum() for k, v in parts.items()}}
+        scored = (~failed).float()
+        sums = {"reward": (total * scored).sum(), "count": scored.sum(), "failures": failed.sum(),
+                **{f"reward/{k}": (v * scored).sum() for k, v in parts.items()}}
         sums = dist.reduce(sums, op=SUM, group=plan.trainer_group)
-    count = sums.pop("count")
-    return {f"eval/{k}": v / count for k, v in sums.items()}, images
+    count, failures = max(1.0, sums.pop("count")), sums.pop("failures")
+    return {**{f"eval/{k}": v / count for k, v in sums.items()}, "eval/failures": failures}, images
 
 
 def gathered(images: torch.Tensor, plan) -> torch.Tensor:
@@ -268,18 +297,20 @@ def log_step(step, got, train, timer, args: Args, plan, metrics: dict) -> tuple[
             **{f"reward/{k}": (v * scored).sum() for k, v in got["parts"].items()},
             **{k: train[k] for k in ("loss", "kl", "clip_frac")}}
     total = dist.reduce(sums, op=SUM, group=plan.trainer_group)
-    peak = dist.reduce({"ratio_dev": train["ratio_dev"], "grad_norm": train["grad_norm"],
+    peak = dist.reduce({"ratio_dev": train["ratio_dev_max"], "ratio_dev_first": train["ratio_dev_first"],
+                        "grad_norm": train["grad_norm"],
                         "peak_mem_gib": dist.peak_memory_gib(plan.device),
                         "peak_mem_added_gib": dist.memory_added_gib(plan.device),
                         **{f"{k}_s": v for k, v in timer.seconds.items()}},
                        op=torch.distributed.ReduceOp.MAX, group=plan.trainer_group)
-    pieces = total["images"] * max(1, len(got["trained"]))
+    trained = total["images"] * max(1, len(got["trained"]))  # (image, trained step) pairs
     metrics.update({
         "rollout/reward": total["reward"] / max(1.0, total["scored"]),
         **{f"rollout/{k}": total[k] / max(1.0, total["scored"]) for k in total if k.startswith("reward/")},
         "reward/failures": total["images"] - total["scored"],
-        "train/loss": total["loss"] / pieces, "train/kl": total["kl"] / pieces,
-        "train/clip_frac": total["clip_frac"] / pieces, "train/ratio_dev_max": peak["ratio_dev"],
+        "train/loss": total["loss"] / trained, "train/kl": total["kl"] / trained,
+        "train/clip_frac": total["clip_frac"] / trained, "train/ratio_dev_max": peak["ratio_dev"],
+        "train/ratio_dev_first": peak["ratio_dev_first"],
         "train/grad_norm": peak["grad_norm"], "train/trained_steps": len(got["trained"]),
         "perf/step_s": timer.elapsed(), **{f"perf/{k}": v for k, v in peak.items() if k.endswith("_s")},
         "perf/peak_mem_gib": peak["peak_mem_gib"], "perf/peak_mem_added_gib": peak["peak_mem_added_gib"]})
@@ -303,7 +334,7 @@ if __name__ == "__main__":
     names = [f"utils.image_rewards:{n}" if n in IMAGE_REWARDS else n for n in args.rewards]
     reward = Reward(names, args.reward_weights, args.reward_timeout_s)
     run = Run(args, plan, actor, reward)
-    ts = flow.timesteps(args.train_steps, args.shift)  # [S + 1] from 1 (noise) to 0 (the image)
+    ts = flow.timesteps(args.train_steps, args.shift).to(device)  # [S + 1]: 1 (noise) to 0 (the image)
     first_images = None
     if rank == 0:
         size = sum(p.numel() for p in actor.model.parameters()) / 1e6
@@ -319,7 +350,7 @@ if __name__ == "__main__":
             metrics.update(held_out)
             first_images = images if first_images is None else first_images
         got = rollout(step, rows, args, actor, reward, ts, plan, timer)  # K trajectories per prompt, scored
-        adv = advantages(got, args)  # [n] GRPO: per group of K
+        adv = advantages(got, args).to(device)  # [n] GRPO: per group of K
         got["trained"] = trained_steps(step, got["sde"], args)  # the SDE steps (MixGRPO's window) to train
         with timer("reference"):
             ref_mean = reference_means(ref, got, got["trained"], ts, args)

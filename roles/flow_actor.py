@@ -38,11 +38,14 @@ class FlowActor:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, partial(lr_factor, warmup_steps, 0))
 
     @torch.no_grad()
-    def velocity(self, x, t, cond):
-        """v [B, C, H, W] at images x [B, C, H, W], times t [B], conditions cond [B, 3], in
-        micro-batches of --micro-batch-size (the sampler's and the reference's calls)."""
+    def velocity(self, x, t, cond, chunks=None):
+        """v [B, C, H, W] at images x [B, C, H, W], times t [B], conditions cond [B, 3], one forward
+        per (lo, hi) of `chunks` (default: --micro-batch-size rows each). The sampler and the
+        reference pass the training pieces' rows, so that the recomputed log-probs go through the
+        same kernels as the rollout's (on a GPU, cuBLAS picks its algorithm by shape)."""
         n = self.micro_batch_size
-        return torch.cat([self.model(x[i:i + n], t[i:i + n], cond[i:i + n]) for i in range(0, len(x), n)])
+        chunks = chunks or [(i, min(i + n, len(x))) for i in range(0, len(x), n)]
+        return torch.cat([self.model(x[lo:hi], t[lo:hi], cond[lo:hi]) for lo, hi in chunks])
 
     def train_step(self, pieces: list, loss_fn) -> dict:
         """One optimizer step over this rank's `pieces` (a micro-batch of rows at one trained
@@ -55,8 +58,8 @@ class FlowActor:
             self.model.set_requires_gradient_sync(i == len(pieces) - 1)
             loss, parts = loss_fn(piece)
             loss.backward()
-            for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + v
+            for k, v in parts.items():  # a "_max" metric is a maximum, the rest sums
+                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global

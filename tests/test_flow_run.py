@@ -31,7 +31,8 @@ def one_step(tmp_path_factory):
 
 def test_the_ratio_is_exactly_one_before_the_first_update(one_step):
     """One minibatch: every trained step's log-prob, recomputed with gradients by the loss, is the
-    rollout's bit for bit (the same step code, the same rows per forward), so no ratio moves."""
+    rollout's bit for bit (the same step code, the same rows per forward), so no ratio moves.
+    (With --minibatches 2 the second minibatch's ratios move: the resume test's runs.)"""
     for run in one_step.values():
         rows = [r for r in metrics(run) if not r.get("final")]
         assert rows[0]["train/ratio_dev_max"] == 0.0 and rows[0]["train/clip_frac"] == 0.0, rows[0]
@@ -63,6 +64,8 @@ def test_resume_after_kill_9_is_exact(tmp_path):
     out = torchrun(2, "train_flow_grpo.py", *flags, "--run-dir", killed, "--resume", "auto").stdout
     assert "resumed from" in out
     assert not differences(metrics(straight), metrics(killed))
+    rows = [r for r in metrics(straight) if not r.get("final")]  # 2 minibatches: the first unmoved
+    assert all(r["train/ratio_dev_first"] == 0.0 and r["train/ratio_dev_max"] > 0 for r in rows)
     a = load_file(os.path.join(straight, "final", "model.safetensors"))
     b = load_file(os.path.join(killed, "final", "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -88,6 +91,10 @@ def test_thirty_steps_raise_the_reward(tmp_path):
     (["--prompts-per-step", "3"], "a multiple of the 2 rank(s)"),
     (["--rewards", "colour", "--reward-weights", "1", "2"], "give one weight per term"),
     (["--num-generations", "1"], "2 or more"),
+    (["--prompts-per-step", "6"], "x --minibatches (2)"),  # 3 prompts a rank: not split in 2 minibatches
+    (["--eval-prompts", "73"], "at most the task's 72 prompts"),
+    (["--rewards", "nosuch.module:fn"], "could not be loaded"),
+    (["--save-hf-every", "5"], "drop --save-hf-every"),
 ])
 def test_a_bad_flag_is_one_clear_error(flags, says, tmp_path):
     import tyro

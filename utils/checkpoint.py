@@ -186,7 +186,8 @@ def _lora(actor) -> dict | None:
 
 def _same_shape(path: str, theirs: dict, ours: dict, flag: str):
     shape_keys = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                  "image_size", "channels", "patch", "mlp_ratio")  # the last 4: a flow model's
     diff = {k: (theirs.get(k), ours.get(k)) for k in shape_keys if theirs.get(k) != ours.get(k)}
     if diff:
         raise UserError(f"checkpoint {path} is from a different model shape (checkpoint, {flag}): {diff}; "
