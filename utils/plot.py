@@ -59,6 +59,11 @@ def plot(run_dir: str) -> str | None:
         ax.set_xlabel("optimizer steps")
     for ax in (reward, accuracy, length, seconds):
         ax.grid(alpha=0.3)
+    return _save(fig, plt, run_dir)
+
+
+def _save(fig, plt, run_dir: str) -> str:
+    """run_dir/curves.png, titled with the run's directory."""
     fig.suptitle(run_dir)
     fig.tight_layout()
     path = os.path.join(run_dir, "curves.png")
@@ -113,12 +118,7 @@ def plot_flow(run_dir: str, before, after) -> str | None:
         ax.imshow(grid(images), interpolation="nearest")
         ax.set_title(f"held-out samples, {name} (one per prompt, same noise)")
         ax.axis("off")
-    fig.suptitle(run_dir)
-    fig.tight_layout()
-    path = os.path.join(run_dir, "curves.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, run_dir)
 
 
 if __name__ == "__main__":
