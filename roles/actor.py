@@ -20,6 +20,21 @@ def lr_factor(warmup_steps: int, decay_steps: int, step: int) -> float:
     return factor
 
 
+def optimizer_step(model, opt, sched, max_grad_norm: float) -> tuple[torch.Tensor, bool]:
+    """The end of every role's update: clip the gradients by their global norm, step the optimizer
+    unless that norm is NaN/inf (the same on every rank: the norm is global), clear the gradients,
+    step the LR schedule. -> (the norm, whether the optimizer stepped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return grad_norm, finite
+
+
 class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
@@ -126,14 +141,7 @@ class Actor:
             gap = (logp.detach() - engine_logp).abs() * mb["loss_mask"]  # [n, T]
             sums["gap_sum"] += gap.sum()
             gap_max = torch.maximum(gap_max, gap.max())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
-        if finite:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        grad_norm, finite = optimizer_step(self.model, self.opt, self.sched, self.max_grad_norm)
         maxes = {"gap_max": gap_max, "grad_norm": grad_norm, "skipped": float(not finite), "unscored": 0.0}
         return sums, maxes
 

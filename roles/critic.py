@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from roles.actor import lr_factor
+from roles.actor import lr_factor, optimizer_step
 from utils import algos
 from utils.data import micro_batches
 from utils.dist import load_sharded
@@ -58,11 +58,5 @@ class Critic:
             algos.aggregate(loss, mask, "token", norm).backward()
             sums["value_loss"] += (loss.detach() * mask).sum()
             sums["value_clipped"] += (clipped & (mask > 0)).sum()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if torch.isfinite(grad_norm):  # the same on every rank: the norm is global
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        grad_norm, _ = optimizer_step(self.model, self.opt, self.sched, self.max_grad_norm)
         return sums, {"value_grad_norm": grad_norm}

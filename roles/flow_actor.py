@@ -11,8 +11,8 @@ from functools import partial
 
 import torch
 
-from roles.actor import lr_factor
-from utils.flow_model import load_flow
+from roles.actor import lr_factor, optimizer_step
+from utils.flow_model import load_flow, save_flow
 
 
 class FlowActor:
@@ -60,16 +60,10 @@ class FlowActor:
             loss.backward()
             for k, v in parts.items():  # a "_max" metric is a maximum, the rest sums
                 sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
-        if finite:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        grad_norm, finite = optimizer_step(self.model, self.opt, self.sched, self.max_grad_norm)
         return {**sums, "grad_norm": float(grad_norm), "skipped": float(not finite)}
 
-    def full_weights(self, exact: bool = True):
+    def full_weights(self):
         """(name, full tensor) of every parameter, gathered one at a time (every rank in step)."""
         for name, p in self.model.named_parameters():
             t = p.detach()
@@ -78,11 +72,6 @@ class FlowActor:
     def export(self, path: str, rank: int):
         """The policy as a loadable flow checkpoint (utils/flow_model.py `load_flow`): every rank
         gathers, rank 0 writes."""
-        from safetensors.torch import save_file
-
         weights = {name: t.cpu().contiguous() for name, t in self.full_weights()}
         if rank == 0:
-            import os
-
-            self.config.save(path)
-            save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            save_flow(weights, self.config, path)

@@ -143,13 +143,13 @@ def sample(velocity, x, cond, ts, sde: str = "flow_grpo", noise_level: float = 0
         v = velocity(x, ts[i].expand(B), cond)  # [B, C, H, W]
         noise = noises[:, i] if noises is not None else torch.randn(x.shape, generator=generator,
                                                                     device=x.device)  # [B, C, H, W]
-        x0_hat = x - ts[i] * v.float()
         if on[i]:
             x, mean, std = sde_step(sde, x, v, ts[i], ts[i + 1], noise_level, noise)
             logps[:, i] = step_logprob(x, mean, std)
         else:
             x = ode_step(x, v, ts[i], ts[i + 1])
         xs.append(x)
+    x0_hat = xs[-2] - ts[S - 1] * v.float()  # the last step's prediction of the clean image
     return {"xs": torch.stack(xs, 1), "logps": logps, "sde": torch.tensor(on), "image": x, "x0_hat": x0_hat}
 
 

@@ -204,25 +204,11 @@ def logit_normal(n: int, generator: torch.Generator | None = None) -> torch.Tens
     return torch.sigmoid(torch.randn(n, generator=generator))
 
 
-@torch.no_grad()
-def sample_ode(model: FlowModel, cond: torch.Tensor, steps: int = 20, noise: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Euler steps of the ODE dx/dt = v from pure noise (t = 1) to t = 0, uniform in t: cond [B, 3]
-    -> images [B, C, H, W] clamped to [-1, 1]. Deterministic given the noise."""
-    cfg = model.config
-    shape = (len(cond), cfg.channels, cfg.image_size, cfg.image_size)
-    x = torch.randn(shape, generator=generator) if noise is None else noise.clone()  # [B, C, H, W]
-    ts = torch.linspace(1.0, 0.0, steps + 1)
-    for i in range(steps):
-        t = ts[i].expand(len(cond)).to(x.device)  # [B]
-        x = x + (ts[i + 1] - ts[i]) * model(x, t, cond)  # dt < 0: towards the image
-    return x.clamp(-1, 1)
-
-
-def save_flow(model: FlowModel, cfg: FlowConfig, path: str):
-    """Writes `path`/config.json + model.safetensors (fp32)."""
+def save_flow(weights: dict[str, torch.Tensor], cfg: FlowConfig, path: str):
+    """Writes `path`/config.json + model.safetensors (fp32): weights {name: tensor}, a model's
+    state_dict or the gathered shards of one (roles/flow_actor.py `export`)."""
     cfg.save(path)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -397,7 +397,7 @@ def flow_pretrain(model, steps: int, batch: int = 64, lr: float = 3e-3, seed: in
 def flow_colour_check(model, per_colour: int = 32, ode_steps: int = 20, seed: int = 0) -> dict:
     """{colour: mean utils.shapes.colour_fraction} of `per_colour` images of each colour (random
     shapes, half 0) sampled from noise with `ode_steps` Euler steps of the ODE."""
-    from utils.flow_model import sample_ode
+    from utils import flow
     from utils.shapes import COLOURS, SHAPES, colour_fraction
 
     g = torch.Generator().manual_seed(seed)
@@ -406,7 +406,10 @@ def flow_colour_check(model, per_colour: int = 32, ode_steps: int = 20, seed: in
         cond = torch.zeros(per_colour, 3, dtype=torch.long)  # [B, 3]
         cond[:, 0] = i
         cond[:, 1] = torch.arange(per_colour) % len(SHAPES)
-        images = sample_ode(model.eval(), cond, ode_steps, generator=g)  # [B, C, H, W]
+        size = model.config.image_size
+        noise = torch.randn(per_colour, model.config.channels, size, size, generator=g)  # [B, C, H, W]
+        images = flow.sample(model.eval(), noise, cond, flow.timesteps(ode_steps), "ode")["image"]
+        images = images.clamp(-1, 1)  # [B, C, H, W]
         out[name] = round(colour_fraction(images, cond[:, 0]).mean().item(), 3)
     return out
 
@@ -421,7 +424,7 @@ def flow_checkpoint(path: str, seed: int = 0, steps: int = 800, batch: int = 64)
     torch.manual_seed(seed)
     model = FlowModel(cfg)
     flow_pretrain(model, steps, batch, seed=seed)
-    save_flow(model, cfg, path)
+    save_flow(model.state_dict(), cfg, path)
     return flow_colour_check(load_flow(path)[0], seed=seed)
 
 
