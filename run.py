@@ -45,6 +45,10 @@ class DataArgs:
     """dataset column holding the prompt (a string or a list of chat messages)"""
     answer_column: str | None = "answer"
     """dataset column holding the reference answer (none: reward functions get no answer)"""
+    image_column: str | None = "auto"
+    """dataset column holding each row's image or list of images, for a vision-language --model
+    (Qwen2-VL: docs/vision.md): a path (relative to the dataset file's folder too), image bytes, or
+    {'bytes', 'path'} as parquet stores images; auto: 'images', else 'image', else none; None: no images"""
     eval_dataset: str | None = None
     """--eval-every > 0: held-out prompts; default: the built-in task's eval split, or a hub id's 'test'
     split"""
@@ -163,12 +167,12 @@ def load_prompts(data: DataArgs, tok, env: EnvArgs) -> tuple[list[dict], int, li
     """(train rows, how many were over --max-prompt-tokens, held-out rows): every rank tokenises
     the same rows and later takes its own slice of each step. With --env / --tools a prompt is the
     environment's opening, rendered with the tools (utils/episodes.py)."""
-    train_rows = load_rows(data.dataset, "train", data.prompt_column, data.answer_column)
+    train_rows = load_rows(data.dataset, "train", data.prompt_column, data.answer_column, data.image_column)
     rows, skipped = episodes.tokenize(train_rows, tok, env, data.max_prompt_tokens)
     held_out = eval_source(data.dataset, data.eval_dataset)
     eval_rows = []
     if held_out and data.eval_every:
-        test_rows = load_rows(held_out, "test", data.prompt_column, data.answer_column)
+        test_rows = load_rows(held_out, "test", data.prompt_column, data.answer_column, data.image_column)
         eval_rows = episodes.tokenize(test_rows, tok, env, data.max_prompt_tokens)[0][:data.eval_prompts]
     return rows, skipped, eval_rows
 

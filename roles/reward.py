@@ -2,7 +2,7 @@
 
 A reward is a sum of weighted terms, each either built in or `module:function`:
     accuracy   1 if the completion's final answer equals the row's answer (last number,
-               `\\boxed{}` or `#### answer`, as math datasets write it), else 0
+               `\\boxed{}` or `#### answer`, as math datasets write it) or the completion is the answer
     format     1 if the completion ended by itself (EOS or a stop string) with an answer in it
     code       1 if the completion's code (its last ```python block, or all of it) followed by
                the row's `tests` column exits cleanly in a sandbox: a separate process with a
@@ -11,10 +11,9 @@ A reward is a sum of weighted terms, each either built in or `module:function`:
     judge      a generative judge's verdict, +1 yes to -1 no averaged over its samples (--judge-model
                DIR, roles/judge.py; NaN: the judge failed on that sample)
     pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float]
-A user function that raises is retried sample by sample; a sample that still fails scores 0
-and is counted in the step's metrics (`reward/failures`); so does a call that runs past the
-time limit (all its samples score 0). The wrong number of scores is a bug in the function,
-so that is a clear error instead.
+A user function that raises is retried sample by sample; a sample that still fails scores 0 and is
+counted in the step's metrics (`reward/failures`); so does a call that runs past the time limit
+(all its samples score 0). The wrong number of scores is a bug in the function: a clear error.
 """
 import functools
 import importlib
@@ -71,8 +70,9 @@ def same_answer(pred: str | None, gold: str | None) -> bool:
         return p == g
 
 
-def accuracy(prompts, completions, answer, **_):
-    return [float(same_answer(extract_answer(c), a)) for c, a in zip(completions, answer)]
+def accuracy(prompts, completions, answer, **_):  # a whole completion may be the answer too (a word)
+    return [float(same_answer(extract_answer(c), a) or same_answer(c, a))
+            for c, a in zip(completions, answer)]
 
 
 def format_ok(prompts, completions, finish_reason, **_):

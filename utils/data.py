@@ -9,10 +9,12 @@ controllers: nobody gathers the batch), and each prompt's sampling seed depends 
 import json
 import os
 import random
+import warnings
 from typing import TYPE_CHECKING, TypedDict
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from utils import squares, vision
 from utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -204,7 +206,7 @@ def multiply_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int =
     return train
 
 
-TASKS = {BUILTIN: arith_rows, MULTIPLY: multiply_rows}
+TASKS = {BUILTIN: arith_rows, MULTIPLY: multiply_rows, squares.NAME: squares.square_rows}
 
 
 # ---------------------------------------------------------------- prompt datasets
@@ -247,15 +249,22 @@ def is_prompt(p) -> bool:
                                                    for m in p)
 
 
-def load_rows(source: str, split: str, prompt_column: str, answer_column: str | None):
+def load_rows(source: str, split: str, prompt_column: str, answer_column: str | None,
+              image_column: str | None = None):
     """Rows as dicts with 'prompt', 'answer' (may be None) and the other columns.
-    source: 'builtin:arith' or 'builtin:multiply', a local .jsonl/.json/.parquet file, or a hub
-    dataset id. The built-in
+    source: 'builtin:arith', 'builtin:multiply' or 'builtin:squares', a local .jsonl/.json/.parquet
+    file, or a hub dataset id. A built-in
     task is one fixed set of problems, whatever --seed (which orders and samples them): the
-    shipped tiny model's warm start never saw its eval split."""
+    shipped tiny model's warm start never saw its eval split.
+    image_column: each row's image or list of images ('auto': 'images' if the dataset has that
+    column, else 'image', else none; None: no images). Such rows get 'images' (uint8 [H, W, 3]
+    arrays, utils/vision.py read_image; a path may be relative to the dataset file's folder) and a
+    prompt of chat messages with one {"type": "image"} part per image."""
+    root = None  # where relative image paths start
     if source in TASKS:
         rows = TASKS[source]("eval" if split in ("eval", "test") else "train")
         prompt_column, answer_column = "prompt", "answer"
+        image_column = "images" if "images" in rows[0] else None
     else:
         ds = read_dataset(source, split)
         if prompt_column not in ds.column_names:
@@ -264,6 +273,9 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
         if answer_column and answer_column not in ds.column_names:
             raise UserError(f"dataset {source!r} has no answer column {answer_column!r}; its columns are "
                             f"{ds.column_names}: pass --answer-column with one of them (or None: no answers)")
+        image_column = pick_image_column(source, ds.column_names, image_column)
+        if os.path.exists(source):
+            root = os.path.dirname(os.path.abspath(source))
         rows = ds.to_list()
     if not rows:
         raise UserError(f"dataset {source!r} (split {split!r}) is empty")
@@ -276,9 +288,27 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
         if answer_column is not None and not isinstance(r[answer_column], (str, int, float)):
             raise UserError(f"dataset {source!r} row {i}: column {answer_column!r} must be a string or a "
                             f"number, got {str(r[answer_column])[:80]!r}")
-        extra = {k: v for k, v in r.items() if k not in (prompt_column, answer_column)}
-        out.append({"prompt": p, "answer": None if answer_column is None else str(r[answer_column]), **extra})
+        extra = {k: v for k, v in r.items() if k not in (prompt_column, answer_column, image_column)}
+        row = {"prompt": p, "answer": None if answer_column is None else str(r[answer_column]), **extra}
+        if image_column is not None:
+            where = f"dataset {source!r} row {i}"
+            row["images"] = vision.row_images(r[image_column], root, where)
+            if row["images"]:
+                row["prompt"] = vision.with_image_parts(p, len(row["images"]), where)
+        out.append(row)
     return out
+
+
+def pick_image_column(source: str, columns: list[str], image_column: str | None) -> str | None:
+    """--image-column: 'auto' is 'images', else 'image', else None (no images); a name the
+    dataset has not is a UserError."""
+    if image_column == "auto":
+        return next((c for c in ("images", "image") if c in columns), None)
+    if image_column is not None and image_column not in columns:
+        raise UserError(f"dataset {source!r} has no image column {image_column!r}; its columns are "
+                        f"{columns}: pass --image-column with one of them (auto: 'images' or 'image' if "
+                        "there is one)")
+    return image_column
 
 
 def _unreadable(source: str, ext: str, error: Exception) -> str:
@@ -326,15 +356,34 @@ def _unreadable(source: str, ext: str, error: Exception) -> str:
 def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int, tools: list | None = None):
     """Adds 'text' and 'ids' to each row; rows whose prompt is longer than the limit are
     dropped. A row's 'prompt_messages' (an environment's opening, utils/episodes.py) are rendered
-    instead of its prompt, with `tools` (schemas) for the template. Returns (kept rows, number skipped)."""
+    instead of its prompt, with `tools` (schemas) for the template. A row with 'images' gets an
+    ImagePrompt (utils/vision.py): its <|image_pad|> expanded to each image's tokens, and it is
+    dropped whole when those make it too long, never cut. Returns (kept rows, number skipped)."""
     kept, skipped = [], 0
+    images = None  # the tokenizer's vision.ImageTokens, made at the first row with images
+    image_skips, shortest = 0, None  # rows with images over the limit; the fewest ids among them
     for r in rows:
+        if r.get("images") and images is None:
+            images = vision.ImageTokens(tok)
         text, special = tok.render(r.get("prompt_messages", r["prompt"]), tools)
         ids = tok.encode(text, special)
+        if r.get("images"):
+            ids = images.prompt(ids, r["images"])
         if len(ids) > max_prompt_tokens:
             skipped += 1
+            if r.get("images"):
+                image_skips += 1
+                shortest = min(len(ids), shortest or len(ids))
             continue
         kept.append({**r, "text": text, "ids": ids})
+    if image_skips and kept:
+        warnings.warn(f"{image_skips} of {len(rows)} prompts with images are longer than "
+                      f"--max-prompt-tokens={max_prompt_tokens} with their image tokens (the shortest of "
+                      f"them: {shortest}) and are skipped: raise --max-prompt-tokens to keep them",
+                      stacklevel=2)
+    if not kept and image_skips:
+        raise UserError(f"every prompt is longer than --max-prompt-tokens={max_prompt_tokens} with its image "
+                        f"tokens (the shortest: {shortest}); raise --max-prompt-tokens to {shortest} or more")
     if not kept:
         raise UserError(f"every prompt is longer than --max-prompt-tokens={max_prompt_tokens}; raise it")
     return kept, skipped
@@ -562,17 +611,29 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     input_ids[:, P:] = torch.where(completion, tokens, pad_id)
     valid[:, P:] = completion
     loss_mask = completion.float() if model_mask is None else completion * model_mask
-    return {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
-            "loss_mask": loss_mask.to(device)}
+    batch = {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
+             "loss_mask": loss_mask.to(device)}
+    if any(getattr(p, "images", None) for p in prompts):  # a vision-language model's (utils/vision.py)
+        # per row: (patches [n, 1176], grids [k, 3]), shared by a prompt's samples; None: no image
+        batch["images"] = [(p.patches().to(device), torch.tensor(p.grids, device=device))
+                           if getattr(p, "images", None) else None for p in prompts]
+    return batch
 
 
 def take_rows(batch: dict, rows) -> dict:
     """Rows of a batch dict (a slice or an index tensor): tensors with a leading row dimension
-    are indexed, the rest kept."""
+    and lists of one entry per row (a row's images) are indexed, the rest kept."""
     import torch
 
     N = batch["input_ids"].shape[0]
-    return {k: v[rows] if torch.is_tensor(v) and v.dim() and v.shape[0] == N else v for k, v in batch.items()}
+
+    def take(v):
+        if torch.is_tensor(v) and v.dim() and v.shape[0] == N:
+            return v[rows]
+        if isinstance(v, list) and len(v) == N:
+            return v[rows] if isinstance(rows, slice) else [v[i] for i in torch.as_tensor(rows).tolist()]
+        return v
+    return {k: take(v) for k, v in batch.items()}
 
 
 def micro_batches(batch: dict, size: int):

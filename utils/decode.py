@@ -140,14 +140,15 @@ class FusedDecoder:
                 _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight, qk_norm))
         self.call_layers = self.layers  # what `__call__` runs (`prepare` merges LoRA adapters in)
 
-    def __call__(self, tokens, positions, mask, cache: KVCache):
-        """tokens, positions [B, S]; mask bool [B, 1, S, L]; returns last-position logits [B, V]."""
+    def __call__(self, tokens, positions, mask, cache: KVCache, embeds=None):
+        """tokens, positions [B, S] (M-RoPE: [3, B, S]); mask bool [B, 1, S, L]; embeds [B, S, h]
+        instead of the tokens' (a prompt's image features spliced in); returns last-position logits [B, V]."""
         c = self.cfg
         B, S = tokens.shape
         H, KV, D, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         cos, sin = self.rope(positions)  # [B, S, 1, D]
         bias = torch.zeros(mask.shape, dtype=cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        h = F.embedding(tokens, self.embed)  # [B, S, h]
+        h = F.embedding(tokens, self.embed) if embeds is None else embeds  # [B, S, h]
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qk_norm) in enumerate(self.call_layers):
             qkv = F.linear(ln1(h), wqkv, bqkv).view(B, S, H + 2 * KV, D)  # [B, S, H+2KV, D]
             qk = qkv[:, :, :H + KV]
@@ -167,8 +168,14 @@ class FusedDecoder:
     def rope(self, positions):
         """positions [...] -> cos, sin [..., 1, D] in the weights' dtype, the first half of sin
         negated: RoPE is then x * cos + x.roll(D // 2, -1) * sin, as HF's rotate_half (x1, x2) ->
-        (-x2, x1) but one op (a roll) instead of two slices, a negation and a cat."""
-        freqs = positions[..., None].float() * self.inv_freq  # [..., D/2]
+        (-x2, x1) but one op (a roll) instead of two slices, a negation and a cat. M-RoPE's
+        positions [3, B, S] (a Qwen2-VL prompt) -> [B, S, 1, D]; decoding after it is 1-D."""
+        if positions.dim() == 3:
+            from utils.vl_model import mrope_freqs
+
+            freqs = mrope_freqs(positions, self.inv_freq, self.cfg.mrope_section)  # [B, S, D/2]
+        else:
+            freqs = positions[..., None].float() * self.inv_freq  # [..., D/2]
         cos, sin = freqs.cos(), freqs.sin()
         return (torch.cat((cos, cos), -1)[..., None, :].to(self.embed.dtype),  # [..., 1, D]
                 torch.cat((-sin, sin), -1)[..., None, :].to(self.embed.dtype))

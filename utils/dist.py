@@ -74,6 +74,8 @@ def shard(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, co
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in vision_blocks(model):  # Qwen2-VL: each vision block a unit too (it runs every forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
     for layer in model.model.layers:
         if compile:
             layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=True)
@@ -91,7 +93,7 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head:
     lora: utils.lora.LoraArgs with a rank: adapters added before sharding (in the same FSDP units
     as their base), started from `seed`; every other parameter frozen."""
     from utils import lora as lora_lib
-    from utils.model import Transformer, iter_checkpoint, load_state, read_config
+    from utils.model import iter_checkpoint, load_state, model_class, read_config
 
     cfg = read_config(path)
     fresh_head = value_head and not cfg.scores
@@ -100,7 +102,7 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head:
     if value_head and cfg.num_labels != 1:
         raise UserError(f"{path} scores {cfg.num_labels} labels; a value model needs one")
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     adapters = ()
     if lora is not None and lora.lora_rank:
         lora_lib.add(model, lora)
@@ -117,10 +119,19 @@ def load_sharded(path: str, mesh, device, param_dtype=torch.float32, value_head:
     return model
 
 
+def vision_blocks(model) -> list:
+    """A Qwen2-VL's vision blocks (utils/vl_model.py); none for a text model."""
+    visual = getattr(model, "visual", None)
+    return list(visual.blocks) if visual is not None else []
+
+
 def _units(model):
-    """FSDP2's units in gather order: the root's own parameters (embeddings, final norm, head),
-    then each decoder block. Yields (module, hf-name prefix, which of its names are its own)."""
-    yield model, "", lambda name: not name.startswith("model.layers.")
+    """FSDP2's units in gather order: the root's own parameters (embeddings, final norm, head, a
+    vision tower's patch embedding and merger), then each vision block, then each decoder block.
+    Yields (module, hf-name prefix, which of its names are its own)."""
+    yield model, "", lambda name: not name.startswith(("model.layers.", "visual.blocks."))
+    for i, block in enumerate(vision_blocks(model)):
+        yield block, f"visual.blocks.{i}.", lambda name: True
     for i, block in enumerate(model.model.layers):
         yield block, f"model.layers.{i}.", lambda name: True
 

@@ -1,6 +1,7 @@
 """A Qwen2 / Qwen3 / Llama decoder in plain torch, with HF safetensors load and save. Qwen3 adds
 an RMSNorm over each head's queries and keys before RoPE; Llama 3.x's RoPE scaling is
-`rope_frequencies`.
+`rope_frequencies`. Qwen2-VL (Qwen2VLForConditionalGeneration) is this decoder with a vision tower
+and M-RoPE, in utils/vl_model.py: `model_class` / `build` pick it for a config with `vision`.
 
 The same decoder with a `score` head instead of `lm_head` is HF's `...ForSequenceClassification`
 (a reward model, or with one label the critic's value model): `Transformer.forward` then
@@ -27,7 +28,7 @@ from utils.errors import UserError
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
              "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
-             "LlamaForSequenceClassification": "llama"}
+             "LlamaForSequenceClassification": "llama", "Qwen2VLForConditionalGeneration": "qwen2_vl"}
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # config.json keys that change the math and that this decoder does not implement, with the value
 # under which they change nothing (transformers' default); any other `*_scaling`, `*_multiplier` or
@@ -60,17 +61,29 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None  # ...ForSequenceClassification: scores sit on the last non-pad token
     num_labels: int = 1  # ...ForSequenceClassification: outputs of the score head
+    vision: dict | None = None  # Qwen2-VL: config.json's vision_config (utils.vl_model); None: a text model
+    image_token_id: int | None = None  # Qwen2-VL: <|image_pad|>, where the tower's outputs go
+    vision_start_token_id: int | None = None  # Qwen2-VL: <|vision_start|>, before each image's pads
+    mrope_section: list[int] | None = None  # Qwen2-VL: rotary frequencies per (t, h, w) axis, summing to D/2
     extra: dict = field(default_factory=dict)  # the rest of config.json, written back unchanged
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
-        by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+        by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                   "qwen2_vl": "Qwen2VLForConditionalGeneration"}
         arch = archs[0] if archs else by_type.get(d.get("model_type"))
-        if arch not in SUPPORTED:
+        vl = {}  # the Qwen2-VL fields
+        if arch == "Qwen2VLForConditionalGeneration":
+            from utils.vl_model import flatten_config
+            d, vl = flatten_config(d)  # the language model's keys, flat as in a Qwen2 config.json
+        elif arch not in SUPPORTED:
+            from utils.vl_model import REFUSED, refusal
+            if arch in REFUSED:
+                raise refusal(arch)
             raise UserError(
                 f"unsupported architecture {arch or d.get('model_type')!r} in config.json; "
-                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Qwen3 / Llama)")
+                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Qwen3 / Llama; Qwen2-VL)")
         rope, llama3 = read_rope(d)
         check_math_keys(d)
         heads = d["num_attention_heads"]
@@ -101,6 +114,7 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id"),
             num_labels=num_labels,
             extra={k: v for k, v in d.items() if k not in written},
+            **vl,
         )
 
     @property
@@ -141,6 +155,9 @@ class ModelConfig:
             d.update(attention_bias=self.attention_bias, use_sliding_window=False)
         elif not self.attention_bias:
             raise UserError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
+        if self.vision is not None:
+            from utils.vl_model import nest_config
+            return nest_config(d, self)  # transformers 5's layout: text_config, vision_config
         return d
 
     @property
@@ -151,6 +168,9 @@ class ModelConfig:
     def with_score_head(self, num_labels: int = 1) -> "ModelConfig":
         """This decoder as ...ForSequenceClassification (the critic's value model)."""
         from dataclasses import replace
+        if self.vision is not None:
+            raise UserError(f"{self.architecture} has no sequence-classification form here: a value or "
+                            "reward model of a vision-language checkpoint is not implemented")
         arch = self.architecture.replace("ForCausalLM", "ForSequenceClassification")
         return replace(self, architecture=arch, num_labels=num_labels, tie_word_embeddings=False)
 
@@ -162,10 +182,14 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h + bias + (2 * self.head_dim if self.qk_norm else 0)
         return attn + 3 * h * self.intermediate_size + 2 * h
 
-    def num_params(self, embeddings: bool = True) -> int:
+    def num_params(self, embeddings: bool = True, vision: bool = True) -> int:
+        """All parameters (a Qwen2-VL's vision tower too, unless vision=False)."""
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings or self.scores else 2)
         head = self.hidden_size * self.num_labels if self.scores else 0
         body = self.num_hidden_layers * self.layer_params() + self.hidden_size + head
+        if vision and self.vision is not None:
+            from utils.vl_model import Vision
+            body += Vision.of(self.vision).num_params()
         return body + (emb if embeddings else 0)
 
 
@@ -366,14 +390,21 @@ class Transformer(nn.Module):
         """tokens [B, S]; positions [B, S] (default 0..S-1 after the cache); mask: bool [B, 1, S, L]
         (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32
         (a score model: scores [B, S - logits_from, num_labels])."""
-        B, S = tokens.shape
-        start = cache.pos if cache is not None else 0
-        if positions is None:
-            positions = torch.arange(start, start + S, device=tokens.device).expand(B, S)
+        return self.run(self.model.embed_tokens(tokens), positions, mask, cache, logits_from)
+
+    def rope(self, positions, dtype):
+        """positions [B, S] -> cos, sin [B, 1, S, D] in `dtype`."""
         freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
-        h = self.model.embed_tokens(tokens)  # [B, S, h]
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def run(self, h, positions, mask, cache: KVCache | None, logits_from: int):
+        """The decoder over input embeddings h [B, S, hidden] (forward's tokens, embedded)."""
+        B, S, _ = h.shape
+        start = cache.pos if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(start, start + S, device=h.device).expand(B, S)
+        cos, sin = self.rope(positions, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, mask, cache)
         if cache is not None:
@@ -401,9 +432,20 @@ def completion_logprobs(model, batch, temperature: float):
     [N, T]. Logits are made for completion positions only (the prompt's are never needed)."""
     from utils.algos import token_logprobs
 
-    P, valid = batch["prompt_len"], batch["valid"]
-    logits = model(batch["input_ids"], positions_from(valid), attention_mask(valid), logits_from=P - 1)
+    P = batch["prompt_len"]
+    logits = model(batch["input_ids"], **batch_inputs(model, batch), logits_from=P - 1)
     return token_logprobs(logits[:, :-1], batch["input_ids"][:, P:], temperature)  # [N, T]
+
+
+def batch_inputs(model, batch) -> dict:
+    """The forward's keywords for a packed batch: positions that skip left padding and the causal
+    mask over it; a Qwen2-VL's M-RoPE positions and its rows' images too (utils.vl_model.batch_inputs)."""
+    valid = batch["valid"]
+    if model.config.vision is not None:
+        from utils.vl_model import batch_inputs as vision_inputs
+
+        return {"mask": attention_mask(valid), **vision_inputs(model.config, batch)}
+    return {"positions": positions_from(valid), "mask": attention_mask(valid)}
 
 
 def completion_values(model, batch):
@@ -471,10 +513,18 @@ def read_config(path: str) -> ModelConfig:
         raise UserError(f"{cfg_file} has no {e} (is it a Qwen2 / Llama config.json?)") from None
 
 
+def model_class(cfg: ModelConfig) -> type:
+    """Transformer, or for a config with `vision` (Qwen2-VL) its subclass utils.vl_model.VLTransformer."""
+    if cfg.vision is None:
+        return Transformer
+    from utils.vl_model import VLTransformer
+    return VLTransformer
+
+
 def build(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> Transformer:
     """Build on meta, then allocate on `device` (weights uninitialised: load or init them)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings and not cfg.scores:  # to_empty/to make a new tensor per module: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -494,11 +544,24 @@ def safetensors_files(path: str) -> list[str]:
 
 
 def iter_checkpoint(path: str):
-    """Yields (hf_name, tensor) from a checkpoint directory, one tensor at a time."""
+    """Yields (hf_name, tensor) from a checkpoint directory, one tensor at a time (names as
+    `legacy_name` gives them)."""
     for file in safetensors_files(path):
         with _open_safetensors(file) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield legacy_name(name), f.get_tensor(name)
+
+
+# transformers >= 4.52 names Qwen2-VL's parts model.language_model.* and model.visual.* in memory
+# (and in some saved files); the older names, which transformers 5 writes and vLLM reads, are ours
+NEW_NAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def legacy_name(name: str) -> str:
+    for new, old in NEW_NAMES:
+        if name.startswith(new):
+            return old + name[len(new):]
+    return name
 
 
 def check_checkpoint(path: str):
@@ -528,6 +591,7 @@ def load_state(model: Transformer, weights, strict: bool = True, may_lack: tuple
     seen = set()
     with torch.no_grad():
         for name, tensor in weights:
+            name = legacy_name(name)
             if name == "lm_head.weight" and (model.config.tie_word_embeddings or model.config.scores):
                 continue
             if name not in params:
@@ -591,7 +655,8 @@ def copy_tokenizer(src: str, dst: str):
 
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
     """Forward FLOPs per token: 2 x matmul params (embeddings' lookup excluded, lm_head
-    included) plus attention scores over `context` keys (Kaplan et al. 2020, table 1)."""
-    n = cfg.num_params(embeddings=False) + cfg.vocab_size * cfg.hidden_size
+    included) plus attention scores over `context` keys (Kaplan et al. 2020, table 1). A
+    Qwen2-VL's vision tower is left out: it runs per image patch, not per token."""
+    n = cfg.num_params(embeddings=False, vision=False) + cfg.vocab_size * cfg.hidden_size  # per text token
     return 2 * n + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
 

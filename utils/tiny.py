@@ -7,6 +7,7 @@ model, and a short supervised warm start that leaves the model partly right on t
     python -m utils.tiny --judge --out assets/judge-tiny     # the tiny judge (~9 min)
     python -m utils.tiny --tools --out assets/tool-tiny      # a tiny model that sometimes calls a tool
     python -m utils.tiny --flow --out assets/flow-tiny       # a tiny image model (Flow-GRPO) (~4 min)
+    python -m utils.tiny --vl --out assets/vl-tiny           # a tiny Qwen2-VL (builtin:squares)
 """
 import argparse
 import random
@@ -428,18 +429,110 @@ def flow_checkpoint(path: str, seed: int = 0, steps: int = 800, batch: int = 64)
     return flow_colour_check(load_flow(path)[0], seed=seed)
 
 
+# ---------------------------------------------------------------- a tiny Qwen2-VL (builtin:squares)
+
+# the vision tower: 2 blocks of width 64, 2 heads of 32 (vLLM's CPU attention wants >= 32)
+VL_VISION = {"depth": 2, "embed_dim": 64, "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 14,
+             "hidden_size": TINY["hidden_size"], "spatial_merge_size": 2, "temporal_patch_size": 2,
+             "in_channels": 3}
+
+
+def vl_config(path: str) -> ModelConfig:
+    """The tokenizer of the squares task (utils/squares.py) and a preprocessor_config.json written to
+    `path` -> a tiny Qwen2-VL's config: TINY's decoder, VL_VISION's tower, M-RoPE over 4+6+6 of the
+    16 rotary frequencies of a 32-dim head."""
+    from utils import squares, vision
+    from utils.data import train_tokenizer
+
+    eos = train_tokenizer(squares.vl_tokenizer_texts(), path, 512, squares.VL_TEMPLATE, squares.VL_SPECIAL)
+    vision.write_preprocessor_config(path)
+    tok = Tokenizer(path).tok
+    return ModelConfig(**TINY, architecture="Qwen2VLForConditionalGeneration", eos_token_id=eos,
+                       attention_bias=True, tie_word_embeddings=False, vision=dict(VL_VISION),
+                       image_token_id=tok.token_to_id(vision.IMAGE_PAD),
+                       vision_start_token_id=tok.token_to_id(vision.VISION_START), mrope_section=[4, 6, 6])
+
+
+def vl_sft_loss(model, rows, tok: Tokenizer, eos: int):
+    """The mean NLL of the answers (and EOS) of rows with ImagePrompt ids, right-padded."""
+    from utils.model import attention_mask
+    from utils.vl_model import rope_index
+
+    seqs = [list(r["ids"]) + tok.encode(r["answer"]) + [eos] for r in rows]
+    masks = [[0] * len(r["ids"]) + [1] * (len(s) - len(r["ids"])) for r, s in zip(rows, seqs)]
+    x, m = padded(seqs, masks, eos)  # [B, L] each
+    valid = torch.tensor([[1] * len(s) + [0] * (x.shape[1] - len(s)) for s in seqs], dtype=torch.bool)
+    pixels = torch.cat([r["ids"].patches() for r in rows])  # [n, 1176]
+    grids = torch.tensor([g for r in rows for g in r["ids"].grids])  # [images, 3]
+    positions = rope_index(x, grids, valid, model.config)[0]  # [3, B, L]
+    logits = model(x[:, :-1], positions[:, :, :-1], attention_mask(valid[:, :-1]), pixels=pixels, grids=grids)
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # [B, L-1]
+    return (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+
+
+def vl_accuracy(path: str, n: int = 256, seed: int = 0) -> float:
+    """Held-out accuracy of the checkpoint at `path` on builtin:squares: one sample per prompt at
+    temperature 1 (as the training run's evaluation), through the native engine."""
+    from roles.reward import accuracy
+    from utils.data import load_rows, tokenize_rows
+    from utils.engines import NativeEngine, SamplingParams
+    from utils.model import iter_checkpoint, read_config
+    from utils.squares import NAME
+
+    tok = Tokenizer(path)
+    rows = tokenize_rows(load_rows(NAME, "eval", "prompt", "answer")[:n], tok, 256)[0]
+    engine = NativeEngine(read_config(path), tok)
+    engine.load_weights(iter_checkpoint(path))
+    out = engine.generate([r["ids"] for r in rows], SamplingParams(1, 1.0, max_new_tokens=8),
+                          list(range(seed, seed + len(rows))))
+    return sum(accuracy(None, out.texts, [r["answer"] for r in rows])) / len(rows)
+
+
+def vl_checkpoint(path: str, seed: int = 0, steps: int = 300, batch: int = 32, lr: float = 1e-3,
+                  log_every: int = 50) -> float:
+    """A random tiny Qwen2-VL, then `steps` supervised steps on builtin:squares' train split, stopped
+    early on purpose: partly right, so that RL has something to lift. Returns the held-out accuracy."""
+    from utils.data import load_rows, tokenize_rows
+    from utils.squares import NAME
+
+    cfg = vl_config(path)
+    tok = Tokenizer(path)
+    model = build(cfg)
+    model.init_weights(seed)
+    model.train()
+    torch.manual_seed(seed)
+    rows = tokenize_rows(load_rows(NAME, "train", "prompt", "answer"), tok, 256)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(10, steps), pct_start=0.1)
+    rng, t0 = random.Random(seed), time.time()
+    for step in range(steps):
+        loss = vl_sft_loss(model, rng.sample(rows, batch), tok, cfg.eos_token_id)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+    save_model(model, cfg, path)
+    return vl_accuracy(path, seed=seed)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sft-steps", type=int, default=None,
-                    help="default: 2500, --judge 2400, --tools 2000, --flow 800")
+                    help="default: 2500, --judge 2400, --tools 2000, --flow 800, --vl 300")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judge", action="store_true", help="write the tiny judge (roles/judge.py)")
     ap.add_argument("--tools", action="store_true", help="write the tiny tool user (builtin:multiply)")
     ap.add_argument("--flow", action="store_true", help="write the tiny image model (utils/flow_model.py)")
+    ap.add_argument("--vl", action="store_true", help="write the tiny Qwen2-VL (builtin:squares)")
     a = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the same float reduction order, hence the same bits, each run
-    if a.flow:
+    if a.vl:
+        got = vl_checkpoint(a.out, a.seed, 300 if a.sft_steps is None else a.sft_steps)
+        print(f"wrote {a.out}: held-out accuracy {got:.3f} (one sample per prompt, temperature 1)")
+    elif a.flow:
         got = flow_checkpoint(a.out, a.seed, 800 if a.sft_steps is None else a.sft_steps)
         print(f"wrote {a.out}: share of bright pixels in the asked colour, 20-step ODE samples: {got}")
     elif a.tools:
