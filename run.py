@@ -57,7 +57,9 @@ class DataArgs:
     eval_prompts: int = 256
     """--eval-every > 0: at most this many held-out prompts per evaluation"""
     max_prompt_tokens: int = 256
-    """longer prompts are skipped and counted"""
+    """longer prompts are skipped and counted (a prompt's image tokens count: it is never cut)"""
+    freeze_vision: bool = False
+    """a vision-language --model: train the language model only; the vision tower keeps its weights"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
         "eval_dataset": ("eval_every", lambda n: n > 0, "an --eval-every above 0"),
         "eval_prompts": ("eval_every", lambda n: n > 0, "an --eval-every above 0")}
@@ -70,6 +72,9 @@ class DataArgs:
 
     def check_model(self):
         self.model = checked_model(self.model)
+        if self.freeze_vision and read_config(self.model).vision is None:
+            raise UserError(f"--freeze-vision: --model {self.model} is a text model (no vision tower to "
+                            "freeze); leave the flag out")
 
 
 def checked_model(path: str, flag: str = "--model", tokenizer: bool = True) -> str:

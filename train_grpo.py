@@ -322,7 +322,7 @@ if __name__ == "__main__":
     actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size,
                   decay_steps=args.steps if args.lr_schedule == "linear" else 0, compile=args.compile,
-                  lora=args.lora, seed=args.run.seed)
+                  lora=args.lora, seed=args.run.seed, freeze_vision=args.data.freeze_vision)
     ref = None
     if args.kl_coef > 0 and args.lora.lora_rank:
         ref = lora.Reference(actor)  # the actor with its adapters off: no second model

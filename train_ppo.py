@@ -309,7 +309,8 @@ if __name__ == "__main__":
                              max(len(r["ids"]) for r in rows), len(eval_rows), critic_dir), flush=True)
     actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
                   args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size, decay_steps,
-                  compile=args.compile, lora=args.lora, seed=args.run.seed)
+                  compile=args.compile, lora=args.lora, seed=args.run.seed,
+                  freeze_vision=args.data.freeze_vision)
     critic = Critic(critic_dir, plan.mesh, device, args.critic_lr, args.warmup_steps, args.weight_decay,
                     args.max_grad_norm, args.value_clip, param_dtype, args.micro_batch_size, decay_steps,
                     compile=args.compile)

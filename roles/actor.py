@@ -39,13 +39,16 @@ class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
                  micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False, lora=None,
-                 seed: int = 0):
+                 seed: int = 0, freeze_vision: bool = False):
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
         micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
         linearly to 0 over this many optimizer steps (0: constant after the warm-up); compile:
         torch.compile each decoder block (utils.dist.shard); lora: utils.lora.LoraArgs (a rank
-        above 0: only adapters train, started from `seed`; engines get the merged weights)."""
+        above 0: only adapters train, started from `seed`; engines get the merged weights);
+        freeze_vision: a Qwen2-VL's vision tower takes no gradient and has no optimizer state."""
         self.model = load_sharded(path, mesh, device, param_dtype, compile=compile, lora=lora, seed=seed)
+        if freeze_vision:
+            self.model.visual.requires_grad_(False)
         self.lora = lora if lora is not None and lora.lora_rank else None
         self.scales = lora_scales(self.model) if self.lora else {}
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only

@@ -178,8 +178,13 @@ class NativeEngine(Engine):
         # prefill once per prompt, then copy its cache to its n samples' rows
         prompt_cache = KVCache(self.cfg, B0, P, dev, self.dtype)
         cache = KVCache(self.cfg, N, P + T, dev, self.dtype)
-        pos = positions_from(valid)  # [B0, P]
-        logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache)  # [B0, V]
+        pos, embeds = positions_from(valid), None  # [B0, P]
+        next_pos = pos[:, -1] + 1  # [B0] where decoding goes on
+        if self.cfg.vision is not None:  # Qwen2-VL: image features at the image pads, M-RoPE positions
+            from utils.vl_model import prompt_inputs
+
+            embeds, pos, next_pos = prompt_inputs(self.model, prompts, tokens, valid)  # pos [3, B0, P]
+        logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache, embeds)  # [B0, V]
         # k, v: [layers, N or B0, KV, L, D]
         for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):
             full.unflatten(1, (B0, n))[..., :P, :] = prompt[:, :, None]
@@ -187,8 +192,7 @@ class NativeEngine(Engine):
         if n > 1:
             logits = logits.repeat_interleave(n, 0)
             valid = valid.repeat_interleave(n, 0)
-            pos = pos.repeat_interleave(n, 0)
-        next_pos = pos[:, -1] + 1  # [N]
+            next_pos = next_pos.repeat_interleave(n, 0)  # [N]
         u = sample_uniforms(seeds, n, T, dev)  # [N, T]
         bias = torch.zeros(N, 1, P + T, dtype=self.dtype, device=dev)  # [N, 1, P+T] additive attention mask
         bias[:, 0, :P].masked_fill_(~valid, float("-inf"))  # left padding
@@ -243,13 +247,19 @@ class VLLMEngine(Engine):
     training (colocate) so that training gets the memory back; vLLM's CPU backend has no sleep
     mode, so there it keeps its memory. Log-probs are vLLM's `processed_logprobs`: after
     temperature (and, if set, after top-k/top-p renormalisation, where the trainer's differ:
-    see train/logprob_gap_*)."""
+    see train/logprob_gap_*).
+
+    A Qwen2-VL checkpoint (utils/vllm_vision.py) takes prompts with images (utils.vision.ImagePrompt:
+    token ids with each image's pads expanded, and `.images`), at most `max_images` per prompt, no
+    videos; without torchvision our entry point brings the shim it needs to every vLLM process."""
 
     def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, own_process: bool = False, lora_rank: int = 0):
+                 gpu_memory_utilization: float = 0.5, own_process: bool = False, lora_rank: int = 0,
+                 max_images: int = 1):
         """own_process: run vLLM's engine core in a child process, in a world of its own. A rollout-only
         rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
-        torchrun world, and the trainer ranks would have to join them."""
+        torchrun world, and the trainer ranks would have to join them. max_images: a vision-language
+        checkpoint's most images in one prompt (a text model's engine arguments do not change)."""
         if own_process:
             # spawn: a fresh process, no torchrun process group inherited
             os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
@@ -265,15 +275,21 @@ class VLLMEngine(Engine):
         try:
             import vllm
 
-            from utils import vllm_transfer
+            from utils import vllm_transfer, vllm_vision
         except ImportError as e:
             raise UserError(f"{VLLM_NEEDED} ({e})") from e
         self.vllm, self.tok, self.gpu = vllm, tokenizer, torch.device(device).type == "cuda"
         self.backend = vllm_transfer.backend_for(own_process, self.gpu)
         if self.backend == "gloo" and not vllm_transfer.plugin_installed():
             raise UserError(PLUGIN_NEEDED)
-        vllm_transfer.register()  # this process's registry (vLLM's own processes load the entry point)
+        # this process's transfer registry and Qwen2-VL shim (vLLM's own processes load the entry point)
+        vllm_transfer.register()
         kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
+        self.image_token, self.max_images = vllm_vision.image_token(model_dir), max_images  # None: text
+        if self.image_token is not None:
+            if not vllm_vision.torchvision_works() and not vllm_transfer.plugin_installed():
+                raise UserError(vllm_vision.PLUGIN_NEEDED)
+            kw.update(limit_mm_per_prompt={"image": max_images, "video": 0})
         # --lora-vllm adapters: vLLM serves the policy's adapters on its own base (`load_adapters`)
         self.lora_rank, self.lora, self.lora_dirs = lora_rank, None, []
         self.takes_adapters = self.has_base = lora_rank > 0  # its own base: adapters alone, always
@@ -315,6 +331,10 @@ class VLLMEngine(Engine):
         self.llm.update_weights({"update_info": info})
         self.llm.finish_weight_update(weight_version=str(self.version))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        if self.image_token is not None:
+            # and image embeddings: vLLM reuses them for the same image, and its weight transfer keeps
+            # them (measured without this: after a vision weight changed, the same tokens and log-probs)
+            self.llm.llm_engine.reset_encoder_cache()
 
     def release(self):
         if self.gpu:  # level 2: drop weights and KV cache (load_weights brings new ones)
@@ -328,8 +348,13 @@ class VLLMEngine(Engine):
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
             max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
             stop_token_ids=sorted(self.tok.eos_ids)) for seed in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False,
+        from utils import vllm_vision
+
+        outs = self.llm.generate([self._input(p) for p in prompts], sps, use_tqdm=False,
                                  lora_request=self.lora)
+        for p, o in zip(prompts, outs):
+            if getattr(p, "images", None):  # vLLM expanded its image pads as we did
+                vllm_vision.check_expanded(p, o.prompt_token_ids)
         rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major, as native
         T = max(1, max(len(c.token_ids) for c in rows))
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
@@ -342,6 +367,21 @@ class VLLMEngine(Engine):
         reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
         texts = [c.text for c in rows]
         return Samples(tokens, logprobs, lengths, reasons, texts, _version(rows, self.version))
+
+    def _input(self, prompt: list[int]) -> dict:
+        """A prompt as vLLM takes it: token ids, and the images of an image prompt."""
+        from utils import vllm_vision
+
+        images = getattr(prompt, "images", None)
+        if not images:
+            return {"prompt_token_ids": list(prompt)}
+        if self.image_token is None:
+            raise UserError("a prompt with images, but the engine's checkpoint is a text model (its "
+                            f"config.json names none of {vllm_vision.VISION_ARCHITECTURES})")
+        if len(images) > self.max_images:
+            raise UserError(f"a prompt with {len(images)} images; the engine takes at most {self.max_images} "
+                            f"(VLLMEngine's max_images)")
+        return vllm_vision.vllm_prompt(prompt, self.image_token)
 
     def load_adapters(self, adapters, scales: dict):
         """--lora-vllm adapters: the policy's LoRA adapters, (name, tensor) pairs, written as a PEFT
