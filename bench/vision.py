@@ -19,11 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("generate", "train", "sync")
 
 
-def run(flags: list[str]) -> tuple[list[dict], float]:
-    """(metrics.jsonl rows, wall seconds of the whole launch) of train_grpo.py on 2 ranks."""
+def run(flags: list[str], keep: str | None = None) -> tuple[list[dict], float]:
+    """(metrics.jsonl rows, wall seconds of the whole launch) of train_grpo.py on 2 ranks; keep: the
+    run directory to write (its final model too), else a temporary one without it."""
     with tempfile.TemporaryDirectory() as d:
+        final = ["--run-dir", keep] if keep else ["--no-save-final", "--run-dir", d]
+        d = keep or d
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "train_grpo.py", "--no-save-final", *flags, "--run-dir", d]
+               "train_grpo.py", *flags, *final]
         t = time.perf_counter()
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -46,19 +49,46 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def picture(final: str, path: str, n: int = 12) -> str:
+    """The first n held-out questions, answered greedily by assets/vl-tiny and by the run's final
+    model (utils/plot.py plot_answers)."""
+    sys.path.insert(0, ROOT)
+    from utils.data import Tokenizer, load_rows, tokenize_rows
+    from utils.engines import NativeEngine, SamplingParams
+    from utils.model import iter_checkpoint, read_config
+    from utils.plot import plot_answers
+
+    answers = {}
+    for name, model in (("before", os.path.join(ROOT, "assets/vl-tiny")), ("after", final)):
+        tok = Tokenizer(model)
+        rows = tokenize_rows(load_rows("builtin:squares", "eval", "prompt", "answer")[:n], tok, 256)[0]
+        engine = NativeEngine(read_config(model), tok)
+        engine.load_weights(iter_checkpoint(model))
+        answers[name] = engine.generate([r["ids"] for r in rows], SamplingParams(1, 0.0, max_new_tokens=8),
+                                        [0] * len(rows)).texts
+    questions = [r["prompt"][0]["content"][-1]["text"] for r in rows]
+    return plot_answers(path, [r["images"][0] for r in rows], questions, [r["answer"] for r in rows],
+                        answers["before"], answers["after"])
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--cost-steps", type=int, default=10)
+    ap.add_argument("--picture-run", default="runs/vision-bench", help="the first seed's run directory")
+    ap.add_argument("--picture", default="assets/vl-run.png", help="held-out answers before and after")
     a = ap.parse_args()
     vl = ["--model", "assets/vl-tiny", "--dataset", "builtin:squares", "--lr", str(a.lr)]
     learned = {}
     for seed in a.seeds:
-        rows, wall = run([*vl, "--steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)])
+        keep = a.picture_run if seed == a.seeds[0] else None
+        flags = [*vl, "--steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
+        rows, wall = run(flags, keep)
         learned[seed] = {**summary(rows), "wall_s": wall}
         print(json.dumps({"seed": seed, **learned[seed]}), flush=True)
+    print(f"wrote {picture(os.path.join(a.picture_run, 'final'), a.picture)}", flush=True)
     # the cost of a step: 64 prompts x 8 samples, no evaluation; squares' prompts are 19-43 tokens
     # with their 4-16 image tokens and answers 1-2, arith's prompts ~25 with answers of ~3 (8 at most)
     cost = {}
@@ -67,15 +97,17 @@ if __name__ == "__main__":
         cost[name] = summary(rows)
         print(json.dumps({"task": name, **cost[name]}), flush=True)
 
-    print(f"\nbuiltin:squares, assets/vl-tiny, {a.steps} steps at lr {a.lr}, 64 prompts x 8 samples, 2 ranks; "
-          "held-out accuracy (256 prompts, 1 sample each, temperature 1) start -> end")
+    print(f"\nbuiltin:squares, assets/vl-tiny, {a.steps} steps at lr {a.lr}, 64 prompts x 8 samples, 2 ranks;"
+          " held-out accuracy (256 prompts, 1 sample each, temperature 1) start -> end")
     print(f"{'seed':>5}{'held-out':>18}{'lift':>8}{'step s':>8}{'wall s':>8}")
     for seed, r in learned.items():
-        print(f"{seed:>5}{r['start']:>9.3f} -> {r['end']:.3f}{r['end'] - r['start']:>+8.3f}{r['step_s']:>8.2f}"
+        print(f"{seed:>5}{r['start']:>9.3f} -> {r['end']:.3f}{r['end'] - r['start']:>+8.3f}"
+              f"{r['step_s']:>8.2f}"
               f"{r['wall_s']:>8.0f}")
     print(f"\nthe step's cost, median of {a.cost_steps} steps: seconds by phase, tokens per step (prompt + "
           "completion, both ranks), peak memory per rank")
-    print(f"{'task':<22}" + "".join(f"{p:>10}" for p in PHASES) + f"{'step s':>8}{'tokens':>9}{'peak GiB':>10}")
+    print(f"{'task':<22}" + "".join(f"{p:>10}" for p in PHASES)
+          + f"{'step s':>8}{'tokens':>9}{'peak GiB':>10}")
     for name, r in cost.items():
         print(f"{name:<22}" + "".join(f"{r[p]:>10.2f}" for p in PHASES)
               + f"{r['step_s']:>8.2f}{r['tokens']:>9.0f}{r['peak_gib']:>10.2f}")

@@ -93,9 +93,9 @@ def moved(run: str, start: dict) -> set:
 def test_grpo_on_squares_trains_every_parameter_alike_in_colocate_and_disaggregate(vl_dir, tmp_path):
     """Two GRPO steps on builtin:squares (a reward that varies with the completion's length, so
     every group has advantages): every parameter moves, the vision tower's included; with
-    --freeze-vision the tower's do not and the rest do. Disaggregated (the prompts, images
-    included, travel to the rollout rank) at staleness 0 is the colocated run, to rounding
-    (tests/helpers/runs.py)."""
+    --freeze-vision (and dynamic sampling's waves) the tower's do not and the rest do.
+    Disaggregated (the prompts, images included, travel to the rollout rank) at staleness 0 is the
+    colocated run, to rounding (tests/helpers/runs.py)."""
     start = load_file(os.path.join(vl_dir, "model.safetensors"))
     co, dis, frozen = (str(tmp_path / k) for k in ("co", "dis", "frozen"))
     torchrun(2, "train_grpo.py", "--model", vl_dir, *RUN, "--run-dir", co)
@@ -104,5 +104,6 @@ def test_grpo_on_squares_trains_every_parameter_alike_in_colocate_and_disaggrega
     torchrun(3, "train_grpo.py", "--model", vl_dir, *RUN, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
     assert len(a) == 3 and differences_within(a, b) == []
-    torchrun(2, "train_grpo.py", "--model", vl_dir, *RUN, "--steps", "1", "--freeze-vision", "--run-dir", frozen)
+    torchrun(2, "train_grpo.py", "--model", vl_dir, *RUN, "--steps", "1", "--freeze-vision",
+             "--dynamic-sampling", "--run-dir", frozen)
     assert moved(frozen, start) == {k for k in start if not k.startswith("visual.")}

@@ -129,7 +129,30 @@ def vision(tmp_path_factory):
         out.seek(0), err.seek(0)
         assert helper.returncode == 0, err.read()[-3000:]
         run = json.loads(out.read().strip().splitlines()[-1])
-    return dict(prompts=prompts, ref=ref, ref_perturbed=ref_perturbed, **run)
+    return dict(dir=d, prompts=prompts, ref=ref, ref_perturbed=ref_perturbed, **run)
+
+
+def test_the_native_engine_greedy_equals_transformers_on_the_same_image_prompts(vision):
+    """The native engine (our model code, utils/vl_model.py) on the prompts vLLM gets, from the
+    checkpoint transformers saved: transformers' greedy tokens, log-probs within 1e-4: so the two
+    engines give the same greedy tokens on image prompts."""
+    from utils.data import Tokenizer
+    from utils.engines import NativeEngine, SamplingParams
+    from utils.model import iter_checkpoint, read_config
+    from utils.vision import MAX_PIXELS, MIN_PIXELS, ImagePrompt, grid_of
+
+    model = os.path.join(vision["dir"], "model")
+    saved = torch.load(os.path.join(vision["dir"], "prompts.pt"), weights_only=True)
+    prompts = []
+    for ids, image, pixels in zip(saved["ids"], saved["images"], saved["pixels"]):
+        low, high = pixels or (MIN_PIXELS, MAX_PIXELS)
+        prompts.append(ImagePrompt(ids, [image.numpy()], [grid_of(image.numpy(), low, high)], low, high))
+    engine = NativeEngine(read_config(model), Tokenizer(model))
+    engine.load_weights(iter_checkpoint(model))
+    out = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8), [0] * len(prompts))
+    rows = [{"tokens": out.tokens[i, :int(out.lengths[i])].tolist(),
+             "logprobs": out.logprobs[i, :int(out.lengths[i])].tolist()} for i in range(len(prompts))]
+    assert_equal_to(rows, vision["ref"])
 
 
 class Prompt(list):

@@ -38,7 +38,7 @@ NEUTRAL = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False,
            "final_logit_softcapping": None, "logits_scaling": 1.0, "embedding_multiplier": 1.0,
            "residual_multiplier": 1.0, "attention_multiplier": None, "use_qk_norm": False}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "preprocessor_config.json")  # the last: Qwen2-VL's images
 
 
 @dataclass

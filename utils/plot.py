@@ -121,6 +121,33 @@ def plot_flow(run_dir: str, before, after) -> str | None:
     return _save(fig, plt, run_dir)
 
 
+def plot_answers(path: str, images, questions, truths, before, after) -> str | None:
+    """A vision-language model's answers to held-out questions, one panel an image: the question,
+    the right answer and the model's answer before and after training (bench/vision.py). images:
+    uint8 [H, W, 3] each. None (and a line saying why) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no picture: matplotlib is not installed (pip install matplotlib)", flush=True)
+        return None
+    columns = min(6, len(images))
+    rows = -(-len(images) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.1 * columns, 2.5 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, q, truth, b, a in zip(axes.flat, images, questions, truths, before, after):
+        ax.imshow(image, interpolation="nearest")
+        mark = lambda x: f"{x!r} {'ok' if x.strip() == truth else 'x'}"  # noqa: E731
+        ax.set_title(f"{q}\nanswer {truth}; before {mark(b)}\nafter {mark(a)}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m utils.plot RUN_DIR")

@@ -1,15 +1,17 @@
 """The built-in visual task, 'builtin:squares': coloured squares on a plain dark background and a
 question with a short exact answer, made offline from a seed.
 
-    How many red squares?          "0" to "4" (each count equally often)
-    Which side has more squares?   "left" or "right" (never a tie; all colours count)
+    How many red squares?    "0" to "4" (each count equally often; other colours around them)
+    How many squares?        "0" to "4" (all colours)
 
 An image is 56, 84 or 112 pixels a side (multiples of 28: Qwen2-VL's processor keeps them as they
 are, 4 to 16 image tokens). Its grid of 28 x 28 cells, one merged image token each, holds at most
 one square per cell: 20 px, centred in its cell, of one of three far-apart colours. So a token is a
 square of one colour or background, and both questions are sums over tokens: what a two-layer
-vision tower and a tiny language model are meant to learn (a colour per token, then a count or a
-side). The reward is the built-in `accuracy` (roles/reward.py): the completion is the answer.
+vision tower and a tiny language model learn (a colour per token, then a count). A third kind,
+"Which side has more squares?", was tried and dropped: the tiny model stayed at chance on it after
+500 supervised steps, where the counts had begun to learn. The reward is the built-in `accuracy`
+(roles/reward.py): the completion is the answer.
 """
 import random
 
@@ -51,24 +53,17 @@ def count_problem(rng: random.Random) -> tuple[int, int, dict, str, str]:
     return height, width, squares, f"How many {colour} squares?", str(k)
 
 
-def side_problem(rng: random.Random) -> tuple[int, int, dict, str, str]:
-    """'Which side has more squares?': an even number of columns (56 or 112 px wide), different
-    counts (0-4) in the left and right halves, squares of any colour."""
-    height, width = rng.choice(SIDES), rng.choice((56, 112))
-    columns = width // FACTOR
-    halves = []
-    for first in (0, columns // 2):
-        halves.append([(r, c) for r in range(height // FACTOR) for c in range(first, first + columns // 2)])
-    most = min(MAX_COUNT, len(halves[0]))
-    left, right = rng.sample(range(most + 1), 2)  # two different counts
-    squares = {}
-    for cell in rng.sample(halves[0], left) + rng.sample(halves[1], right):
-        squares[cell] = rng.choice(list(COLOURS))
-    return height, width, squares, "Which side has more squares?", "left" if left > right else "right"
+def total_problem(rng: random.Random) -> tuple[int, int, dict, str, str]:
+    """'How many squares?': k squares (0-4, uniform) of any colours."""
+    k = rng.randrange(MAX_COUNT + 1)
+    height, width = rng.choice([(h, w) for h in SIDES for w in SIDES if (h // FACTOR) * (w // FACTOR) >= k])
+    cells = [(r, c) for r in range(height // FACTOR) for c in range(width // FACTOR)]
+    squares = {cell: rng.choice(list(COLOURS)) for cell in rng.sample(cells, k)}
+    return height, width, squares, "How many squares?", str(k)
 
 
 def problem(rng: random.Random) -> tuple:
-    return count_problem(rng) if rng.random() < 0.5 else side_problem(rng)
+    return count_problem(rng) if rng.random() < 0.5 else total_problem(rng)
 
 
 def square_rows(split: str, seed: int = 0, n_train: int = 2000, n_eval: int = 256) -> list[dict]:

@@ -442,7 +442,8 @@ def batch_inputs(cfg: ModelConfig, batch) -> dict:
     prompts' M-RoPE positions (rope_index over the first prompt_len columns), the completions'
     going on 1-D from each prompt's deltas, as the engines decode them."""
     ids, valid, P = batch["input_ids"], batch["valid"], batch["prompt_len"]
-    pixels, grids, row_grids, feature_rows = images_of(batch.get("images") or [None] * len(ids), cfg, ids.device)
+    rows = batch.get("images") or [None] * len(ids)
+    pixels, grids, row_grids, feature_rows = images_of(rows, cfg, ids.device)
     prompt, deltas = rope_index(ids[:, :P], row_grids, valid[:, :P], cfg)  # [3, N, P], [N]
     steps = deltas[:, None] + torch.arange(ids.shape[1] - P, device=ids.device)  # [N, T]
     positions = torch.cat([prompt, steps.expand(3, -1, -1)], -1)  # [3, N, P + T]
