@@ -4,7 +4,7 @@ temperature 1) at the start and the end of each seed's run, its wall time; then 
 against the text task's (builtin:arith, assets/arith-tiny: the same decoder shape) at about the
 same tokens per sample: median seconds per step by phase, tokens per step, peak memory per rank.
 
-    python bench/vision.py [--steps 100] [--seeds 0 1 2] [--lr 2e-3]
+    python bench/vision.py [--steps 300] [--seeds 0 1 2] [--lr 1e-3]
 """
 import argparse
 import json
@@ -73,9 +73,9 @@ def picture(final: str, path: str, n: int = 12) -> str:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--cost-steps", type=int, default=10)
     ap.add_argument("--picture-run", default="runs/vision-bench", help="the first seed's run directory")
     ap.add_argument("--picture", default="assets/vl-run.png", help="held-out answers before and after")
