@@ -49,6 +49,24 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def text_twin(path: str) -> str:
+    """builtin:squares' train questions as text prompts of the same token counts as the image
+    prompts (the image's tokens replaced by 'x ' tokens, as many as fit), written to the jsonl `path`."""
+    sys.path.insert(0, ROOT)
+    from utils.data import Tokenizer, load_rows, tokenize_rows
+
+    tok = Tokenizer(os.path.join(ROOT, "assets/vl-tiny"))
+    with open(path, "w") as f:
+        for r in tokenize_rows(load_rows("builtin:squares", "train", "prompt", "answer"), tok, 256)[0]:
+            question, n = r["prompt"][0]["content"][-1]["text"], len(r["ids"])
+            prompt = lambda k: [{"role": "user", "content": "x " * k + question}]  # noqa: E731
+            k = n
+            while k and len(tok.encode(*tok.render(prompt(k)))) > n:
+                k -= 1
+            f.write(json.dumps({"prompt": prompt(k), "answer": r["answer"]}) + "\n")
+    return path
+
+
 def picture(final: str, path: str, n: int = 12) -> str:
     """The first n held-out questions, answered greedily by assets/vl-tiny and by the run's final
     model (utils/plot.py plot_answers)."""
@@ -79,20 +97,28 @@ if __name__ == "__main__":
     ap.add_argument("--cost-steps", type=int, default=10)
     ap.add_argument("--picture-run", default="runs/vision-bench", help="the first seed's run directory")
     ap.add_argument("--picture", default="assets/vl-run.png", help="held-out answers before and after")
+    ap.add_argument("--skip-learning", action="store_true", help="only the step's cost")
     a = ap.parse_args()
     vl = ["--model", "assets/vl-tiny", "--dataset", "builtin:squares", "--lr", str(a.lr)]
     learned = {}
-    for seed in a.seeds:
+    for seed in [] if a.skip_learning else a.seeds:
         keep = a.picture_run if seed == a.seeds[0] else None
         flags = [*vl, "--steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
         rows, wall = run(flags, keep)
         learned[seed] = {**summary(rows), "wall_s": wall}
         print(json.dumps({"seed": seed, **learned[seed]}), flush=True)
-    print(f"wrote {picture(os.path.join(a.picture_run, 'final'), a.picture)}", flush=True)
-    # the cost of a step: 64 prompts x 8 samples, no evaluation; squares' prompts are 19-43 tokens
-    # with their 4-16 image tokens and answers 1-2, arith's prompts ~25 with answers of ~3 (8 at most)
+    if learned:
+        print(f"wrote {picture(os.path.join(a.picture_run, 'final'), a.picture)}", flush=True)
+    # the cost of a step, 64 prompts x 8 samples, no evaluation: the squares task (prompts of 13-26
+    # tokens, 4-16 of them an image's; answers 1 token and EOS); its text twin, the same model on
+    # the same questions with each image's tokens replaced by as many text tokens (text_twin); and
+    # the default text task (arith-tiny, prompts of 4-6 tokens, answers of 1-3)
+    twin = text_twin(os.path.join(tempfile.mkdtemp(), "squares-text.jsonl"))
     cost = {}
-    for name, flags in (("squares (vl-tiny)", vl), ("arith (arith-tiny)", [])):
+    for name, flags in (("squares (vl-tiny)", vl),
+                        ("its text twin (vl-tiny)", [*vl[:2], "--dataset", twin, "--image-column", "None",
+                                                     "--eval-every", "0"]),
+                        ("arith (arith-tiny)", [])):
         rows, wall = run([*flags, "--steps", str(a.cost_steps), "--eval-every", "0"])
         cost[name] = summary(rows)
         print(json.dumps({"task": name, **cost[name]}), flush=True)
@@ -104,8 +130,8 @@ if __name__ == "__main__":
         print(f"{seed:>5}{r['start']:>9.3f} -> {r['end']:.3f}{r['end'] - r['start']:>+8.3f}"
               f"{r['step_s']:>8.2f}"
               f"{r['wall_s']:>8.0f}")
-    print(f"\nthe step's cost, median of {a.cost_steps} steps: seconds by phase, tokens per step (prompt + "
-          "completion, both ranks), peak memory per rank")
+    print(f"\nthe step's cost, median of {a.cost_steps} steps: seconds by phase, completion tokens per step "
+          "(both ranks), peak memory per rank")
     print(f"{'task':<22}" + "".join(f"{p:>10}" for p in PHASES)
           + f"{'step s':>8}{'tokens':>9}{'peak GiB':>10}")
     for name, r in cost.items():

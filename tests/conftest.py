@@ -44,7 +44,7 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
 
 # the files with the longest tests (each holds one of the 6 longest, 40-80 s on 2 workers)
 FIRST = ["test_vllm", "test_rebalance", "test_memory", "test_disaggregate", "test_tools_run",
-         "test_train_grpo", "test_dynamic_sampling"]
+         "test_train_grpo", "test_dynamic_sampling", "test_vllm_vision", "test_vl_run"]
 
 
 def pytest_collection_modifyitems(items):

@@ -135,7 +135,7 @@ def plot_answers(path: str, images, questions, truths, before, after) -> str | N
         return None
     columns = min(6, len(images))
     rows = -(-len(images) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(2.1 * columns, 2.5 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.1 * columns, 2.9 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, q, truth, b, a in zip(axes.flat, images, questions, truths, before, after):

@@ -7,7 +7,7 @@ model, and a short supervised warm start that leaves the model partly right on t
     python -m utils.tiny --judge --out assets/judge-tiny     # the tiny judge (~9 min)
     python -m utils.tiny --tools --out assets/tool-tiny      # a tiny model that sometimes calls a tool
     python -m utils.tiny --flow --out assets/flow-tiny       # a tiny image model (Flow-GRPO) (~4 min)
-    python -m utils.tiny --vl --out assets/vl-tiny           # a tiny Qwen2-VL (builtin:squares)
+    python -m utils.tiny --vl --out assets/vl-tiny           # a tiny Qwen2-VL (builtin:squares) (~2.5 min)
 """
 import argparse
 import random
