@@ -70,11 +70,25 @@ class DataArgs:
             ("eval_prompts", self.eval_prompts >= 1, "1 or more"),
             ("max_prompt_tokens", self.max_prompt_tokens >= 1, "1 or more")])
 
-    def check_model(self):
+    def check_model(self, text_readers: dict | None = None):
+        """The checkpoint; for a vision-language one, the components that would read its prompts as
+        text (their image tokens without the images) are refused: text_readers {flag: its value}.
+        For a text one, --image-column auto means none."""
         self.model = checked_model(self.model)
-        if self.freeze_vision and read_config(self.model).vision is None:
-            raise UserError(f"--freeze-vision: --model {self.model} is a text model (no vision tower to "
-                            "freeze); leave the flag out")
+        if read_config(self.model).vision is None:
+            if self.freeze_vision or self.image_column not in ("auto", None):
+                flag = "--freeze-vision" if self.freeze_vision else f"--image-column {self.image_column}"
+                raise UserError(f"{flag}: --model {self.model} is a text model (it takes no images); leave "
+                                "the flag out")
+            self.image_column = None
+            return
+        for flag, value in (text_readers or {}).items():
+            if not value:
+                continue
+            if flag == "--teacher-model" and read_config(checked_model(value, flag)).vision is not None:
+                continue  # a vision-language teacher sees the images too
+            raise UserError(f"{flag} with a vision-language --model: it would read the prompts as text, "
+                            "their image tokens without the images (not supported); leave it out")
 
 
 def checked_model(path: str, flag: str = "--model", tokenizer: bool = True) -> str:

@@ -46,6 +46,7 @@ from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Timer
 from utils.mismatch import Correction, MismatchArgs
 from utils.model import read_config
+from utils.vision import most_images
 
 MAX = torch.distributed.ReduceOp.MAX
 
@@ -184,7 +185,12 @@ def check_args(args: Args, world: int):
                         f"trainer rank trains per step: use a divisor of {rows}")
     check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
     check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
-    args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
+    # the checkpoints last: hub ids become their snapshots (computed at runtime); a vision-language
+    # --model refuses what would read its prompts as text
+    args.data.check_model({"--tools": args.env.tools, "--env": args.env.env,
+                           "--judge-model": args.judge.judge_model,
+                           "--reward-model": args.reward.reward_model,
+                           "--teacher-model": args.distill.teacher_model})
     args.reward.check(args.data)
     args.distill.check_model(args.data.model)
     args.judge.check(args)
@@ -309,7 +315,7 @@ if __name__ == "__main__":
     args.reward.check_rows(rows)  # the columns the reward terms read
     serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
     engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                        args.run.seed, lora_rank=serve_lora)
+                        args.run.seed, lora_rank=serve_lora, max_images=most_images(rows + eval_rows))
     local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
         rollout_rank(plan, local_engine)

@@ -173,6 +173,9 @@ def check_args(args: Args, world: int):
     check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
     check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
     args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
+    if read_config(args.data.model).vision is not None:
+        raise UserError(f"--model {args.data.model} is a vision-language model: PPO's critic would be a "
+                        "vision-language value model, which is not implemented; train it with train_grpo.py")
     if args.critic_model:
         args.critic_model = checked_model(args.critic_model, "--critic-model", tokenizer=False)
         check_same_tokenizer(args.critic_model, "--critic-model", args.data.model, "the critic values the "

@@ -47,6 +47,7 @@ class Actor:
         above 0: only adapters train, started from `seed`; engines get the merged weights);
         freeze_vision: a Qwen2-VL's vision tower takes no gradient and has no optimizer state."""
         self.model = load_sharded(path, mesh, device, param_dtype, compile=compile, lora=lora, seed=seed)
+        self.freeze_vision = freeze_vision  # checkpoints record it: the tower is then not saved
         if freeze_vision:
             self.model.visual.requires_grad_(False)
         self.lora = lora if lora is not None and lora.lora_rank else None

@@ -155,6 +155,17 @@ CASES = [  # (flags, what the error line must say)
 ]
 
 
+VL = ["--model", "assets/vl-tiny", "--dataset", "builtin:squares"]
+CASES += [  # a vision-language --model, and what only applies to one
+    (["--freeze-vision"], "--freeze-vision: --model assets/arith-tiny is a text model (it takes no images)"),
+    (["--image-column", "pic"], "--image-column pic: --model assets/arith-tiny is a text model"),
+    ([*VL, "--tools", "utils.env:multiply"], "--tools with a vision-language --model: it would read the "
+     "prompts as text"),
+    ([*VL, "--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny"], "--judge-model with a "
+     "vision-language --model"),
+]
+
+
 PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own check_args
     (["--value-clip", "0"], "--value-clip 0.0: use a positive number"),
     (["--lam", "1.5"], "--lam 1.5: use a number in [0, 1]"),
@@ -167,6 +178,8 @@ PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own ch
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
     (["--rewards", "judge"], "the generative judge (--judge-model) is train_grpo.py's"),
+    (["--model", "assets/vl-tiny", "--dataset", "builtin:squares"],
+     "is a vision-language model: PPO's critic"),
 ]
 CASES = [("train_grpo.py", f, s) for f, s in CASES] + [("train_ppo.py", f, s) for f, s in PPO_CASES]
 # Through torchrun, end to end: one of each kind met after the process group (a dataset that does

@@ -83,9 +83,11 @@ def test_image_prompt_is_a_list_that_pickles_with_its_images():
     p = ImagePrompt(ids, images, grids)
     assert len(p) == 13 and p == ids and p[:2] == [5, 9] and type(p[1:]) is list
     assert torch.equal(torch.tensor(p), torch.tensor(ids))
-    assert p.patches().shape == (16 + 24, 1176) and p.patches() is p.patches()  # cached
-    q = pickle.loads(pickle.dumps(p))
-    assert type(q) is ImagePrompt and q == p and q.grids == grids and "_patches" not in q.__dict__
+    assert p.patches().shape == (16 + 24, 1176) and set(p.__dict__) == {"images", "grids", "min_pixels",
+                                                                         "max_pixels"}  # never kept
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        q = pickle.loads(pickle.dumps(p, protocol))
+        assert type(q) is ImagePrompt and q == p and q.grids == grids
     assert all(np.array_equal(a, b) for a, b in zip(q.images, images))
     assert torch.equal(q.patches(), p.patches())
     with pytest.raises(ValueError, match="2 <|image_pad|> tokens for 1 images"):
@@ -241,3 +243,9 @@ def test_squares_load_tokenize_and_reward(vl_tok):
 
     scores = accuracy(None, [" left. ", "2", "right", "3", "I see 3"], answer=["left", "3", "left", "3", "3"])
     assert scores == [1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_an_engine_makes_room_for_the_most_images_in_one_prompt():
+    image = np.zeros((56, 56, 3), np.uint8)
+    assert vision.most_images([{"images": [image, image]}, {"prompt": "text only"}, {"images": []}]) == 2
+    assert vision.most_images([{"prompt": "text only"}]) == vision.most_images([]) == 1

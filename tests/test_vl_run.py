@@ -61,6 +61,7 @@ def test_the_native_engine_samples_what_the_trainer_scores_from_image_prompts(vl
     assert len(set(map(tuple, out.tokens.tolist()))) > 6  # the samples differ
     batch = make_batch(per_sample(ids, n), out.tokens, out.lengths, tok.pad_id)
     assert sum(x is not None for x in batch["images"]) == 9  # the text prompt's 3 rows have none
+    assert batch["images"][0][0] is batch["images"][2][0]  # made once per prompt: the tower runs once
     model = load_model(vl_dir)
     mask = batch["loss_mask"] > 0
     with torch.no_grad():

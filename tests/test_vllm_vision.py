@@ -255,10 +255,12 @@ def test_image_token_marks_vision_checkpoints_only(tmp_path):
     """Only a vision-language checkpoint's engine gets image limits (a text model's arguments stay)."""
     from utils.vllm_vision import image_token
 
+    from utils.data import Tokenizer
+
     assert image_token(os.path.join(ROOT, "assets/arith-tiny")) is None
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"],
-                                                      "image_token_id": 259}))
-    assert image_token(str(tmp_path)) == 259
+    assert image_token(str(tmp_path)) is None  # no config.json (a hub name)
+    vl = os.path.join(ROOT, "assets/vl-tiny")
+    assert image_token(vl) == Tokenizer(vl).tok.token_to_id("<|image_pad|>")
 
 
 def test_the_engine_refuses_images_it_cannot_take():

@@ -135,7 +135,7 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
         return {"seconds": time.perf_counter() - t, "path": None, "error": error or "failed on another rank"}
     if rank == 0:
         meta = {"step": step, "scheduler": actor.sched.state_dict(), "model": actor.config.to_hf(),
-                "lora": _lora(actor),
+                "lora": _lora(actor), "freeze_vision": getattr(actor, "freeze_vision", False),
                 "world": dist.get_world_size(actor.group), **(extra or {})}
         if critic is not None:
             meta.update(critic_scheduler=critic.sched.state_dict(), critic=critic.config.to_hf())
@@ -187,7 +187,9 @@ def _lora(actor) -> dict | None:
 def _same_shape(path: str, theirs: dict, ours: dict, flag: str):
     shape_keys = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-                  "image_size", "channels", "patch", "mlp_ratio")  # the last 4: a flow model's
+                  "image_size", "channels", "patch", "mlp_ratio",  # these 4: a flow model's
+                  "vision_config")  # a Qwen2-VL's tower (its language model's keys are in text_config)
+    theirs, ours = ({**d.get("text_config", {}), **d} for d in (theirs, ours))
     diff = {k: (theirs.get(k), ours.get(k)) for k in shape_keys if theirs.get(k) != ours.get(k)}
     if diff:
         raise UserError(f"checkpoint {path} is from a different model shape (checkpoint, {flag}): {diff}; "
@@ -214,6 +216,9 @@ def load(path: str, actor, rank: int, critic=None) -> dict:
     if meta.get("lora") != ours:
         raise UserError(f"checkpoint {path} was trained with LoRA {meta.get('lora')}, this run asks for "
                         f"{ours}: resume with the --lora-* flags it was trained with, or a new --run-dir")
+    if meta.get("freeze_vision", False) != getattr(actor, "freeze_vision", False):  # frozen: not saved
+        flag = "with --freeze-vision" if meta.get("freeze_vision") else "without --freeze-vision"
+        raise UserError(f"checkpoint {path} was trained {flag}: resume {flag}, or start a new --run-dir")
     if critic is not None and "critic" not in meta:
         raise UserError(f"checkpoint {path} has no critic (a GRPO run's?): resume PPO from a PPO run's "
                         "checkpoint, or start a new --run-dir")

@@ -614,9 +614,13 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     batch = {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
              "loss_mask": loss_mask.to(device)}
     if any(getattr(p, "images", None) for p in prompts):  # a vision-language model's (utils/vision.py)
-        # per row: (patches [n, 1176], grids [k, 3]), shared by a prompt's samples; None: no image
-        batch["images"] = [(p.patches().to(device), torch.tensor(p.grids, device=device))
-                           if getattr(p, "images", None) else None for p in prompts]
+        # per row: (patches [n, 1176], grids [k, 3]), made once per prompt and shared by its samples'
+        # rows (the tower then runs once per image: utils/vl_model.py images_of); None: no image
+        made = {}
+        for p in prompts:
+            if getattr(p, "images", None) and id(p) not in made:
+                made[id(p)] = (p.patches().to(device), torch.tensor(p.grids, device=device))
+        batch["images"] = [made.get(id(p)) for p in prompts]
     return batch
 
 

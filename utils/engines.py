@@ -380,7 +380,7 @@ class VLLMEngine(Engine):
                             f"config.json names none of {vllm_vision.VISION_ARCHITECTURES})")
         if len(images) > self.max_images:
             raise UserError(f"a prompt with {len(images)} images; the engine takes at most {self.max_images} "
-                            f"(VLLMEngine's max_images)")
+                            f"(make_engine's max_images: the most in one of the run's prompts)")
         return vllm_vision.vllm_prompt(prompt, self.image_token)
 
     def load_adapters(self, adapters, scales: dict):
@@ -470,12 +470,13 @@ def engine_kind(kind: str, device) -> str:
 
 
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
-                seed=0, own_process=False, lora_rank: int = 0):
+                seed=0, own_process=False, lora_rank: int = 0, max_images: int = 1):
     """The engine --engine names (`engine_kind`). lora_rank: a vLLM engine serving LoRA adapters of
-    this rank (--lora-vllm adapters)."""
+    this rank (--lora-vllm adapters); max_images: the most images in one of the run's prompts (vLLM
+    reserves room for them; a Qwen2-VL checkpoint only)."""
     if engine_kind(kind, device) == "vllm":
         return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
-                          lora_rank=lora_rank)
+                          lora_rank=lora_rank, max_images=max_images)
     return NativeEngine(cfg, tokenizer, device, dtype)
 
 

@@ -105,8 +105,9 @@ class ImagePrompt(list):
     """A prompt's token ids, each <|image_pad|> already expanded, that also carries its `images`
     (uint8 [H, W, 3] each), their `grids` ((1, h, w) each) and the pixel limits they were sized
     with. Everywhere else it is the plain list of ints (len, slices, ==, torch.tensor); a slice or
-    a sum is a plain list. Pickles with its attributes; `patches()` is computed once per process
-    (not pickled: it is 8x the image's bytes and quick to make again)."""
+    a sum is a plain list. Pickles with its attributes. `patches()` is made anew at each call and
+    never kept here (a row lives all run, and patches are 8x the image's bytes): make_batch and the
+    native engine make a prompt's once per step."""
 
     def __init__(self, ids=(), images=(), grids=(), min_pixels: int = MIN_PIXELS,
                  max_pixels: int = MAX_PIXELS):
@@ -120,17 +121,12 @@ class ImagePrompt(list):
         """The images preprocessed, concatenated: float32 tensor [sum n, 1176] (HF's pixel_values)."""
         import torch
 
-        if getattr(self, "_patches", None) is None:
-            made = []
-            for image, grid in zip(self.images, self.grids):
-                patches, got = preprocess(image, self.min_pixels, self.max_pixels)
-                assert got == grid, f"image grid {got} != the prompt's {grid}"
-                made.append(torch.from_numpy(np.ascontiguousarray(patches)))
-            self._patches = torch.cat(made) if made else torch.zeros(0, PATCH_DIM)
-        return self._patches
-
-    def __getstate__(self):  # pickle (protocol 2+) keeps a list subclass's items and this state
-        return {k: v for k, v in self.__dict__.items() if k != "_patches"}
+        made = []
+        for image, grid in zip(self.images, self.grids):
+            patches, got = preprocess(image, self.min_pixels, self.max_pixels)
+            assert got == grid, f"image grid {got} != the prompt's {grid}"
+            made.append(torch.from_numpy(np.ascontiguousarray(patches)))
+        return torch.cat(made) if made else torch.zeros(0, PATCH_DIM)
 
 
 # ---------------------------------------------------------------- images in dataset rows
@@ -256,6 +252,11 @@ def pixel_limits(path: str) -> tuple[int, int]:
     low = size.get("shortest_edge", conf.get("min_pixels", MIN_PIXELS))
     high = size.get("longest_edge", conf.get("max_pixels", MAX_PIXELS))
     return int(low), int(high)
+
+
+def most_images(rows: list[dict]) -> int:
+    """The most images in one of these rows' prompts (at least 1): what an engine makes room for."""
+    return max([len(r.get("images") or ()) for r in rows] + [1])
 
 
 def write_preprocessor_config(path: str, min_pixels: int = 56 * 56, max_pixels: int = 112 * 112):

@@ -28,7 +28,6 @@ worker (vllm/v1/engine/core.py, v1/worker/worker_base.py load them too). The gen
 `pip install -e .`), which calls `install`.
 """
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -120,14 +119,12 @@ class NoVideoProcessor(VideoProcessorMixin):
 def image_token(model_dir: str) -> int | None:
     """The <|image_pad|> token id of a vision-language checkpoint (its config.json); None for a text
     model (or a directory without config.json, e.g. a hub name)."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return None
-    with open(path) as f:
-        config = json.load(f)
-    if not any(a in VISION_ARCHITECTURES for a in config.get("architectures") or []):
-        return None
-    return config["image_token_id"]
+    from utils.model import read_config
+
+    cfg = read_config(model_dir)
+    return cfg.image_token_id if cfg.architecture in VISION_ARCHITECTURES else None
 
 
 def vllm_prompt(prompt: list[int], image_token: int) -> dict:
