@@ -4,12 +4,14 @@ batch of images change nothing, a vision weight reaches the engine, and a GRPO s
 builtin:squares trains every parameter (the tower's too, unless --freeze-vision), the same in
 colocate and disaggregate."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_disaggregate import DISAGG
-from test_fsdp import torchrun
+from test_fsdp import ROOT, torchrun
 from test_train_grpo import metrics
 
 from tests.helpers.runs import differences_within
@@ -96,7 +98,7 @@ def test_grpo_on_squares_trains_every_parameter_alike_in_colocate_and_disaggrega
     every group has advantages): every parameter moves, the vision tower's included; with
     --freeze-vision (and dynamic sampling's waves) the tower's do not and the rest do.
     Disaggregated (the prompts, images included, travel to the rollout rank) at staleness 0 is the
-    colocated run, to rounding (tests/helpers/runs.py)."""
+    colocated run, to rounding (tests/helpers/runs.py). A frozen run resumes; not without the flag."""
     start = load_file(os.path.join(vl_dir, "model.safetensors"))
     co, dis, frozen = (str(tmp_path / k) for k in ("co", "dis", "frozen"))
     torchrun(2, "train_grpo.py", "--model", vl_dir, *RUN, "--run-dir", co)
@@ -105,6 +107,20 @@ def test_grpo_on_squares_trains_every_parameter_alike_in_colocate_and_disaggrega
     torchrun(3, "train_grpo.py", "--model", vl_dir, *RUN, *DISAGG, "--max-staleness", "0", "--run-dir", dis)
     a, b = metrics(co), metrics(dis)
     assert len(a) == 3 and differences_within(a, b) == []
-    torchrun(2, "train_grpo.py", "--model", vl_dir, *RUN, "--steps", "1", "--freeze-vision",
-             "--dynamic-sampling", "--run-dir", frozen)
+    frozen_run = ["train_grpo.py", "--model", vl_dir, *RUN, "--freeze-vision", "--dynamic-sampling",
+                  "--save-every", "1", "--run-dir", frozen]
+    torchrun(2, *frozen_run, "--steps", "1")
     assert moved(frozen, start) == {k for k in start if not k.startswith("visual.")}
+
+    # a resume goes on from the checkpoint (the frozen tower is not in it: --model's is read again);
+    # one without the flag it was trained with is refused, in one line
+    out = torchrun(2, *frozen_run, "--steps", "2", "--resume", "auto").stdout
+    assert "continuing at step 2" in out
+    assert [r["step"] for r in metrics(frozen) if not r.get("final")] == [0, 1]
+    assert moved(frozen, start) == {k for k in start if not k.startswith("visual.")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           *[f for f in frozen_run if f != "--freeze-vision"], "--steps", "3", "--resume", "auto"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+    assert p.returncode != 0 and len(errors) == 1 and "trained with --freeze-vision" in errors[0], errors
