@@ -634,8 +634,11 @@ def take_rows(batch: dict, rows) -> dict:
     def take(v):
         if torch.is_tensor(v) and v.dim() and v.shape[0] == N:
             return v[rows]
-        if isinstance(v, list) and len(v) == N:
-            return v[rows] if isinstance(rows, slice) else [v[i] for i in torch.as_tensor(rows).tolist()]
+        if isinstance(v, list) and len(v) == N:  # rows: a slice, indices, or a bool mask
+            index = torch.as_tensor(rows) if not isinstance(rows, slice) else None
+            if index is not None and index.dtype == torch.bool:
+                index = index.nonzero()[:, 0]
+            return v[rows] if index is None else [v[i] for i in index.tolist()]
         return v
     return {k: take(v) for k, v in batch.items()}
 
