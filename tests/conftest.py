@@ -47,6 +47,7 @@ FIRST = ["test_vllm", "test_rebalance", "test_memory", "test_disaggregate", "tes
          "test_train_grpo", "test_dynamic_sampling", "test_vllm_vision", "test_vl_run"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks into node ids
 def pytest_collection_modifyitems(items):
     """The README runs the suite on 2 workers (pytest-xdist, `-n 2 --dist loadgroup`): one test's
     ranks rarely keep both cores busy (start-up, a rank waiting on another), two tests do. A test
