@@ -71,19 +71,12 @@ def picture(final: str, path: str, n: int = 12) -> str:
     """The first n held-out questions, answered greedily by assets/vl-tiny and by the run's final
     model (utils/plot.py plot_answers)."""
     sys.path.insert(0, ROOT)
-    from utils.data import Tokenizer, load_rows, tokenize_rows
-    from utils.engines import NativeEngine, SamplingParams
-    from utils.model import iter_checkpoint, read_config
     from utils.plot import plot_answers
+    from utils.tiny import vl_answers
 
     answers = {}
     for name, model in (("before", os.path.join(ROOT, "assets/vl-tiny")), ("after", final)):
-        tok = Tokenizer(model)
-        rows = tokenize_rows(load_rows("builtin:squares", "eval", "prompt", "answer")[:n], tok, 256)[0]
-        engine = NativeEngine(read_config(model), tok)
-        engine.load_weights(iter_checkpoint(model))
-        answers[name] = engine.generate([r["ids"] for r in rows], SamplingParams(1, 0.0, max_new_tokens=8),
-                                        [0] * len(rows)).texts
+        rows, answers[name] = vl_answers(model, n, temperature=0.0)
     questions = [r["prompt"][0]["content"][-1]["text"] for r in rows]
     return plot_answers(path, [r["images"][0] for r in rows], questions, [r["answer"] for r in rows],
                         answers["before"], answers["after"])

@@ -470,10 +470,9 @@ def vl_sft_loss(model, rows, tok: Tokenizer, eos: int):
     return (nll * m[:, 1:]).sum() / m[:, 1:].sum()
 
 
-def vl_accuracy(path: str, n: int = 256, seed: int = 0) -> float:
-    """Held-out accuracy of the checkpoint at `path` on builtin:squares: one sample per prompt at
-    temperature 1 (as the training run's evaluation), through the native engine."""
-    from roles.reward import accuracy
+def vl_answers(path: str, n: int = 256, temperature: float = 1.0, seed: int = 0) -> tuple[list, list]:
+    """(rows, answers): the checkpoint at `path` on builtin:squares' first n held-out questions, one
+    sample each through the native engine."""
     from utils.data import load_rows, tokenize_rows
     from utils.engines import NativeEngine, SamplingParams
     from utils.model import iter_checkpoint, read_config
@@ -483,9 +482,18 @@ def vl_accuracy(path: str, n: int = 256, seed: int = 0) -> float:
     rows = tokenize_rows(load_rows(NAME, "eval", "prompt", "answer")[:n], tok, 256)[0]
     engine = NativeEngine(read_config(path), tok)
     engine.load_weights(iter_checkpoint(path))
-    out = engine.generate([r["ids"] for r in rows], SamplingParams(1, 1.0, max_new_tokens=8),
+    out = engine.generate([r["ids"] for r in rows], SamplingParams(1, temperature, max_new_tokens=8),
                           list(range(seed, seed + len(rows))))
-    return sum(accuracy(None, out.texts, [r["answer"] for r in rows])) / len(rows)
+    return rows, out.texts
+
+
+def vl_accuracy(path: str, n: int = 256, seed: int = 0) -> float:
+    """Held-out accuracy of the checkpoint at `path` on builtin:squares: one sample per prompt at
+    temperature 1 (as the training run's evaluation)."""
+    from roles.reward import accuracy
+
+    rows, texts = vl_answers(path, n, 1.0, seed)
+    return sum(accuracy(None, texts, [r["answer"] for r in rows])) / len(rows)
 
 
 def vl_checkpoint(path: str, seed: int = 0, steps: int = 700, batch: int = 32, lr: float = 2e-3,
