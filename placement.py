@@ -1,7 +1,7 @@
 """Which rank plays which role (`plan`), the engine each rank gets (`engine_for`), moving
 weights from the trainers to the engines (`sync`), and where each role's time went
-(`phase_metrics`, `metrics`). The layout is fixed for a launch (rebalance.py moves ranks by a
-checkpoint and a restart).
+(run.py `phase_metrics`). A --rebalance move (rebalance.py) goes on in process: `replan`
+builds the new layout's groups and mesh, `reshard` moves the trainers' state onto it.
 
 colocate (G-Core's full colocation): every rank trains and generates, taking turns on its device;
 before generation it all-gathers the actor's FSDP2 shards block by block straight into its own
@@ -16,6 +16,7 @@ own group (NCCL on GPU, gloo on CPU), or into vLLM workers through vLLM's weight
 (utils/vllm_transfer.py).
 """
 import datetime
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,9 +28,14 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from roles.rollout import RemoteEngine, agree_on_transfer
+from utils.dist import (broadcast_buckets, destroy_groups, filled, outline, own_part, plan_buckets,
+                        receive_buckets, slots)
 from utils.engines import NoEngine
 from utils.errors import UserError, check_rules
 from utils.logger import Timer
+
+
+MOVES = itertools.count(1)  # moves in process (every rank counts alike): each new mesh is named by one
 
 
 @dataclass
@@ -173,13 +179,27 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group(),
                     timeout_s=timeout_s)
+    return _disaggregated(layout, rank, device, timeout_s)
+
+
+def replan(old: Plan, layout: Layout) -> Plan:
+    """disaggregate, a --rebalance move in process, every rank: this rank's Plan in `layout`, with
+    new groups and a new trainer mesh (`reshard` moves the state over the old ones, then drops them).
+    The mesh's dim gets a name of its own: DTensor caches plans by mesh equality (ranks and names),
+    so a mesh equal to an earlier one would find plans holding that one's destroyed groups."""
+    return _disaggregated(layout, old.rank, old.device, old.timeout_s, f"dp_{next(MOVES)}")
+
+
+def _disaggregated(layout: Layout, rank: int, device: torch.device, timeout_s: float,
+                   dim: str = "dp") -> Plan:
     # every rank must create every group, in the same order (new_group is collective)
+    world = layout.world
     timeout = datetime.timedelta(seconds=timeout_s)
     trainer_group = dist.new_group(list(range(layout.dp)), timeout=timeout)
     weight_group = dist.new_group([0, *range(layout.dp, world)], timeout=timeout)
     request_group = dist.new_group(list(range(world)), timeout=datetime.timedelta(days=7))
     if rank < layout.dp:
-        mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
+        mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=(dim,))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group, weight_group, request_group,
                     rollout_peer=rollout_rank_of(rank, layout), timeout_s=timeout_s)
     served = []
@@ -214,12 +234,49 @@ def check(mode: str, world: int, prompts_per_step: int, rollout_ranks: int = 0,
     return layout
 
 
+def reshard(old: Plan, new: Plan, state: dict | None, bucket_bytes: int) -> tuple[dict | None, dict]:
+    """A --rebalance move in process, every rank: the old trainers' `state` (nested dicts of FSDP2
+    DTensors over old.mesh, and plain values) onto new.mesh. The old trainers gather each tensor
+    whole over their group, one at a time; trainer 0 broadcasts them in buckets to the ranks that
+    only now train; each new trainer keeps its own slice (FSDP2's Shard(0)) as a DTensor over
+    new.mesh (`redistribute` changes placements within one mesh, not across meshes); then the old
+    groups go. -> (the state on a new trainer, else None; {"state_s", "state_bytes": full size})."""
+    t, tensors = time.perf_counter(), []
+    shape = [outline(state, tensors) if state is not None else None]  # every old trainer: its shards
+    dist.broadcast_object_list(shape, src=0)  # what every rank walks, in the same order (trainer 0's)
+    order, joiners = slots(shape[0]), list(range(old.dp, new.dp))  # joiners: trainer 0 sends them all
+    group = dist.new_group([0, *joiners], timeout=datetime.timedelta(seconds=new.timeout_s))  # collective
+    specs = [(str(s.index), s.shape, s.dtype) for s in order]
+    buckets, kept = plan_buckets(specs, bucket_bytes), {}
+
+    def keep(stream):
+        for name, full in stream:
+            if new.role == "trainer":
+                kept[int(name)] = own_part(full, order[int(name)], new.mesh, new.device)
+            yield name, full
+
+    if old.role == "trainer":  # each tensor whole, in order: a gather over the old trainers
+        stream = keep((str(s.index), x.full_tensor() if s.placements else x) for s, x in zip(order, tensors))
+        if old.rank == 0 and joiners:
+            broadcast_buckets(stream, buckets, 0, group, new.device, {})
+        else:
+            for _ in stream:
+                pass
+    elif new.role == "trainer":
+        for _ in keep(receive_buckets(buckets, dict(s[:2] for s in specs), 0, group, new.device, {})):
+            pass
+    destroy_groups([group, old.trainer_group, old.weight_group, old.request_group])
+    size = sum(math.prod(s.shape) * s.dtype.itemsize for s in order)
+    return (filled(shape[0], kept) if new.role == "trainer" else None), {
+        "state_s": time.perf_counter() - t, "state_bytes": size}
+
+
 def rollout_rank_of(trainer: int, layout: Layout) -> int:
     """Trainer i is served by rollout rank dp + i % K."""
     return layout.dp + trainer % layout.rollout
 
 
-def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 0):
+def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 0, kept=None):
     """The engine this rank generates with, behind one interface (utils/engines.py).
     colocate: `local_engine()`, in this process, taking turns with training on the device;
     disaggregate, trainer: its rollout rank, behind a `RemoteEngine` that expects `weight_specs`;
@@ -238,8 +295,8 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
         return engine
     if plan.role == "trainer":
         engine = RemoteEngine(plan, weight_specs, bucket_bytes)
-    else:
-        engine = local_engine(own_process=True)
+    else:  # a rollout rank that stays one through a --rebalance move keeps its engine
+        engine = kept or local_engine(own_process=True)
     agree_on_transfer(plan, engine, weight_specs, bucket_bytes)
     return engine
 
@@ -298,51 +355,3 @@ def _measured(weights, stats: dict):
             return
         stats["sync_bytes"] += item[1].numel() * item[1].element_size()
         yield item
-
-
-def phase_metrics(plan: Plan, engine, seconds: dict, step_s: float, tally: dict | None = None) -> dict:
-    """Where this rank's step went, per role: the busy and idle seconds of the trainer role and
-    of the rollout role, and `device_idle`, the seconds in which this rank's device (and, in
-    disaggregate, its share of its rollout rank's) had nothing to do. Summed over the trainers
-    these are the `placement/` metrics, and what a rebalancer would read. `seconds` holds the
-    step's phases (utils.logger.Timer): wait, sync, eval, generate, and the trainer's own (reward,
-    reference, train; PPO's reward_model, values, critic_train). partial: `tally` holds the
-    seconds this rank spent sampling or judging inside its rollout ("generate")."""
-    phase = lambda name: seconds.get(name, 0.0)  # noqa: E731
-    # the trainer role waits while samples are made (colocate: this rank makes them; disaggregate:
-    # its rollout rank does), and is busy in every other phase but the sync: scoring, the
-    # reference, the critic, training
-    trainer_idle = phase("wait") + phase("eval") + phase("generate")
-    trainer_busy = 0.0
-    for name, s in seconds.items():
-        if name not in ("wait", "eval", "generate", "sync"):
-            trainer_busy += s
-    if plan.mode == "partial":
-        # each rank is a trainer, and during the rollout a sampler or a judge
-        sampler_busy = 0.0
-        if plan.sampler:
-            sampler_busy = tally["sampler_busy"] + phase("eval")
-        judge_busy = tally["judge_busy"]
-        rollout_busy = sampler_busy + judge_busy
-        device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
-        out = {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
-               "rollout_idle": step_s - rollout_busy, "device_idle": device_idle,
-               "sampler_busy": sampler_busy, "judge_busy": judge_busy,
-               "sampler_idle": 0.0, "judge_idle": 0.0}
-        if plan.sampler:
-            out["sampler_idle"] = step_s - sampler_busy
-        else:
-            out["judge_idle"] = step_s - judge_busy
-        return out
-    if plan.mode == "disaggregate":
-        rollout = engine.take_stats()  # the rollout rank's seconds since the last step
-        rollout_busy = rollout["busy_s"] + rollout["sync_s"]
-        rollout_idle = rollout["idle_s"]
-        device_idle = trainer_idle + rollout_idle * plan.layout.rollout / plan.dp
-    else:
-        rollout_busy = phase("generate") + phase("eval")
-        rollout_idle = step_s - rollout_busy
-        # one device takes turns: it idles only while waiting on other ranks
-        device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
-    return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
-            "rollout_idle": rollout_idle, "device_idle": device_idle}

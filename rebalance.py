@@ -3,16 +3,21 @@
 `decide` is the pure decision, from the reduced busy seconds of the last steps (the same numbers
 on every trainer, so every rank decides alike with no message). `Rebalancer` is the component
 the step loop calls once a step (`after_step`); with --rebalance off it does nothing. A move is
-a checkpoint, the new layout written to run_dir/placement.json, and every rank exiting with
-MOVE_EXIT: torchrun (--max-restarts) restarts the workers, which read the layout back
-(`moved_layout`), resume from the move's checkpoint and check that a digest of the full weights,
-Adam's moments and the LR is the one the move left with. The move is a restart, not an
-in-process re-mesh.
+a checkpoint (a crash during the move resumes from it) and the new layout written to
+run_dir/placement.json, then, in process (`move`): the trainers tell their rollout ranks, every
+rank builds the new layout's groups and trainer mesh (placement.replan), the trainers' state
+moves onto it in memory (placement.reshard), and each rank goes on in its new role: the script
+builds the roles again (frozen models from their checkpoints) and restores the moved state in
+place of a checkpoint; a rollout rank that stays one keeps its engine. The first step checks
+that a digest of the full weights, Adam's moments and the LR is the one the move left with.
+--rebalance-restart moves by a restart instead (every rank exits with MOVE_EXIT, torchrun
+restarts them, they read the layout back and resume from the move's checkpoint): the fallback,
+and the only way with vLLM rollout engines.
 """
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -20,11 +25,14 @@ import torch
 import placement
 from placement import Layout
 from utils import checkpoint, dist
+from utils.engines import engine_kind
 from utils.errors import UserError, check_rules
 
 MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and each move's numbers
-MOVE_EXIT = 3  # a rank's exit code after a move: torchrun (--max-restarts) starts the new layout
+MOVE_EXIT = 3  # --rebalance-restart: a rank's exit code after a move; torchrun starts the new layout
+PAUSE = "RL_TEST_MOVE_PAUSE_S"  # a test hook: seconds each rank waits in a move in process, once saved
 MAX = torch.distributed.ReduceOp.MAX
+MOVE_PARTS = ("checkpoint_s", "agree_s", "groups_s", "state_s", "state_bytes")  # a move in process's seconds
 
 
 @dataclass
@@ -32,8 +40,11 @@ class RebalanceArgs:
     rebalance: bool = False
     """disaggregate: move ranks between training and generation as the run goes, when the measured
     busy seconds predict a faster split that pays for the move (rebalance.decide); a move saves a
-    checkpoint and torchrun restarts the workers in the new layout: launch with --max-restarts (one
-    per move, plus those for failures)"""
+    checkpoint and goes on in process, the training state moved onto the new trainer mesh"""
+    rebalance_restart: bool = False
+    """--rebalance: move by a restart instead: every rank exits after the move's checkpoint and torchrun
+    restarts them in the new layout (launch with --max-restarts: one per move, plus those for
+    failures); the fallback, and the only way with vLLM rollout engines"""
     rebalance_threshold: float = 0.1
     """--rebalance: move only to a split predicted faster by this share of a step"""
     rebalance_window: int = 10
@@ -41,9 +52,9 @@ class RebalanceArgs:
     rebalance_gap: int = 20
     """--rebalance: steps at least between two moves (and from the start); the horizon a move must
     pay for itself in"""
-    rebalance_force: tuple[int, int] | None = None
-    """--rebalance, a test hook: STEP K moves to K rollout ranks after STEP steps, whatever the
-    measurements say"""
+    rebalance_force: tuple[int, ...] = ()
+    """--rebalance, a test hook: STEP K [STEP K ...] moves to K rollout ranks after STEP steps, whatever
+    the measurements say"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
         "rebalance_threshold": ("rebalance", bool, "--rebalance"),
         "rebalance_window": ("rebalance", bool, "--rebalance"),
@@ -57,24 +68,33 @@ class RebalanceArgs:
             ("rebalance", not self.rebalance or not args.ds.dynamic_sampling,
              "dynamic sampling keeps a prompt stream per trainer, which a move would split differently; "
              "drop one"),
-            ("rebalance", not self.rebalance or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) >= 1,
+            ("rebalance_restart", not self.rebalance_restart or self.rebalance, "it moves by a restart: add "
+             "--rebalance"),
+            ("rebalance_restart", not self.rebalance_restart
+             or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) >= 1,
              "a move restarts the workers in the new layout: launch with torchrun --max-restarts N (one per "
              "move you allow, plus those for failures)"),
+            ("rebalance", not self.rebalance or self.rebalance_restart or engine_kind(
+                args.engine, "cuda" if torch.cuda.is_available() else "cpu") == "native",
+             "a move in process keeps native rollout engines only (a vLLM one would join a new weight-"
+             "transfer group, not tried): add --rebalance-restart, or --engine native"),
             ("rebalance_threshold", 0 <= self.rebalance_threshold < 1,
              "a share of a step in [0, 1), such as 0.1"),
             ("rebalance_window", self.rebalance_window >= 1, "1 or more steps"),
             ("rebalance_gap", self.rebalance_gap >= self.rebalance_window,
              f"at least --rebalance-window ({self.rebalance_window}): a decision reads only steps since the "
              f"last move"),
-            ("rebalance_force", self.rebalance_force is None or self.rebalance,
-             "it forces a --rebalance move: add --rebalance")])
-        if self.rebalance_force:
+            ("rebalance_force", not self.rebalance_force or self.rebalance,
+             "it forces a --rebalance move: add --rebalance"),
+            ("rebalance_force", len(self.rebalance_force) % 2 == 0, "pairs STEP K")])
+        now = layout.rollout
+        for step, k in zip(self.rebalance_force[::2], self.rebalance_force[1::2]):
             fits = [c.rollout for c in splits(world, args.prompts_per_step, args.layout.max_staleness)
-                    if c.rollout != layout.rollout]
-            step, k = self.rebalance_force
+                    if c.rollout != now]
             if k not in fits:
                 raise UserError(f"--rebalance-force {step} {k}: a world of {world} can move from "
-                                f"{layout.rollout} rollout ranks to {fits or 'none other'}")
+                                f"{now} rollout ranks to {fits or 'none other'}")
+            now = k
 
 
 @dataclass
@@ -161,46 +181,87 @@ def record_move(run_dir: str, record: dict):
     os.replace(tmp, os.path.join(run_dir, MOVES))
 
 
-def moved_layout(args) -> dict:
+@dataclass
+class Arrival:
+    """Where a layout's run starts: the moves so far (placement.json, {} before any) and the time
+    the last one was decided (before any, the launch). After a move in process also: the state it
+    carried onto this rank (`carried`, for run.Run in place of a checkpoint), its seconds so far
+    (`timings`, and `left`: when the state had moved), rank 0's logger, and a rollout rank's engine."""
+    run_dir: str
+    moves: dict
+    since: float
+    carried: dict | None = None
+    timings: dict = field(default_factory=dict)
+    left: float = 0.0
+    log: object = None
+    engine: object = None
+
+
+def arrive(args, launched: float) -> Arrival:
     """Before the process group: a launch that torchrun restarted after a move (or --resume auto)
-    takes the layout the move wrote (args.layout.rollout_ranks). Returns the moves so far."""
+    takes the layout the move wrote (args.layout.rollout_ranks)."""
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     moved = {}
     if args.balance.rebalance and (restarted or args.run.resume == "auto"):
         moved = moves(args.run.run_dir)
     if moved:
         args.layout.rollout_ranks = moved["rollout_ranks"]
-    return moved
+    return Arrival(args.run.run_dir, moved, moved["moves"][-1]["at"] if moved else launched)
+
+
+def move(old, layout: Layout, state: dict | None, bucket_bytes: int, arrival: Arrival,
+         timings: dict) -> tuple:
+    """A move in process, on every rank (trainers from `Rebalancer.next_layout`, rollout ranks from
+    their loop, told by their trainers): the new layout's groups and mesh, then the trainers'
+    `state` (old trainers: {"state": checkpoint.state, "meta"}) onto the new trainers. Returns the
+    new Plan and its Arrival."""
+    if os.environ.get(PAUSE):
+        time.sleep(float(os.environ[PAUSE]))
+    t = time.perf_counter()
+    new = placement.replan(old, layout)
+    timings["groups_s"] = time.perf_counter() - t
+    carried, stats = placement.reshard(old, new, state, bucket_bytes)
+    moved = moves(arrival.run_dir)
+    return new, Arrival(arrival.run_dir, moved, moved["moves"][-1]["at"], carried, {**timings, **stats},
+                        time.time(), arrival.log)
 
 
 class Rebalancer:
     """--rebalance in the step loop: `after_step` keeps the window of reduced busy seconds, asks
-    `decide` and makes the move. Off, it does nothing. `exit_code` is MOVE_EXIT after a move."""
+    `decide` and makes the move; `next_layout` then moves the state. Off, it does nothing.
+    `exit_code`: 0, MOVE_EXIT after a move by restart, None after a move in process."""
 
-    def __init__(self, args, plan, actor, moved: dict, start: int, launched: float, log, saved=None):
-        """saved(): what the move's checkpoint carries of the other components (the rollout's state)."""
+    def __init__(self, args, plan, actor, arrival: Arrival, start: int, log, saved=None, engine=None):
+        """saved(): what the move's checkpoint carries of the other components (the rollout's state);
+        engine: the trainer's RemoteEngine, which tells its rollout rank of a move."""
         self.args, self.cfg, self.plan, self.actor, self.log = args, args.balance, plan, actor, log
-        self.saved = saved or (lambda: ({}, {}))
+        self.saved, self.engine = saved or (lambda: ({}, {})), engine
         self.window, self.since_move, self.warned, self.exit_code = [], 0, False, 0
-        self.cost_s = 0.0
+        self.cost_s, self.target, self.step, self.timings = 0.0, None, 0, {}
         if self.cfg.rebalance:
-            self.cost_s = self._arrived(moved, start, launched)
+            self.cost_s = self._arrived(arrival, start)
 
-    def _arrived(self, moved: dict, start: int, launched: float) -> float:
+    def _arrived(self, arrival: Arrival, start: int) -> float:
         """Before the first step: the seconds a move costs (the last move's, measured from its
         decision to here; before any, this launch's start-up), the same on every trainer. Right
         after a move, the training state must be the one it left with, exactly (a digest of it)."""
-        last = moved["moves"][-1] if moved else None
-        since = last["at"] if last else launched
-        cost_s = dist.reduce({"s": time.time() - since}, op=MAX, group=self.plan.trainer_group)["s"]
+        last = arrival.moves["moves"][-1] if arrival.moves else None
+        group = self.plan.trainer_group
+        cost_s = dist.reduce({"s": time.time() - arrival.since}, op=MAX, group=group)["s"]
         if last and last["step"] == start:
             if checkpoint.digest(self.actor) != last["digest"]:
                 raise RuntimeError(f"the move after step {start} did not carry the training state exactly "
                                    f"(its digest differs): a bug; "
                                    f"{checkpoint.last_complete(self.args.run.run_dir)}")
+            timings = {}
+            if arrival.carried is not None:  # in process: where the seconds went (the slowest rank's)
+                timings = {k: arrival.timings.get(k, 0.0) for k in MOVE_PARTS}  # a joiner had no checkpoint
+                timings = dist.reduce({**timings, "rebuild_s": time.time() - arrival.left}, op=MAX, group=group)
             if self.plan.rank == 0:
                 self.log.log(start - 1, {"event": "placement/moved", "placement/move_s": cost_s,
                                          "placement/move_state_equal": 1.0,
+                                         "placement/move_in_process": float(arrival.carried is not None),
+                                         **{f"placement/move_{k}": v for k, v in timings.items()},
                                          "placement/rollout_ranks": self.plan.layout.rollout})
         return cost_s
 
@@ -212,22 +273,45 @@ class Rebalancer:
         self.window.append(entry)
         self.since_move += 1
         move = self._decide(step)
-        restarts_left = int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) - int(
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        restart = self.cfg.rebalance_restart
+        restarts_left = 1
+        if restart:
+            restarts_left = int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) - int(
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if move.layout is not None and restarts_left < 1:
             if self.plan.rank == 0 and not self.warned:
                 print(f"rebalance after step {step + 1}: {move.why}; not moving: torchrun has no restart "
                       f"left (--max-restarts used up)", flush=True)
             self.warned = True
             return False
+        t = time.perf_counter()
         if move.layout is None or not self._move(step, move, self.saved()):
             return False
+        k = move.layout.rollout
+        how = "torchrun restarts them" if restart else "in process"
         if self.plan.rank == 0:
-            k = move.layout.rollout
-            print(f"moving: every rank stops; torchrun restarts them as {self.plan.layout.world - k} "
-                  f"trainers + {k} rollout ranks, resuming at step {step + 2}", flush=True)
-        self.exit_code = MOVE_EXIT
+            print(f"moving to {self.plan.layout.world - k} trainers + {k} rollout ranks ({how}), from step "
+                  f"{step + 2}", flush=True)
+        if restart:
+            self.exit_code = MOVE_EXIT
+            return True
+        self.timings["checkpoint_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.engine.move(move.layout)  # the rollout ranks leave their loop for the move
+        self.timings["agree_s"] = time.perf_counter() - t
+        self.exit_code, self.target, self.step = None, move.layout, step
         return True
+
+    def next_layout(self, actor, saved: tuple, arrival: Arrival, log) -> tuple:
+        """After a move in process (the loop left): every rank moves (`move`), this trainer's state
+        with it. Returns the new Plan and its Arrival."""
+        meta = {"step": self.step + 1, "scheduler": actor.sched.state_dict(), **saved[0]}
+        arrival.log = log
+        new, arrived = move(self.plan, self.target, {"state": checkpoint.state(actor), "meta": meta},
+                            int(self.args.layout.sync_bucket_mb * 2**20), arrival, self.timings)
+        if arrived.carried is not None:
+            arrived.carried["rank_state"] = saved[1]
+        return new, arrived
 
     def _decide(self, step: int) -> Move:
         """decide over the splits this run accepts (placement.check's, whose trainers can also
@@ -235,9 +319,9 @@ class Rebalancer:
         args, layout = self.args, self.plan.layout
         fits = [c for c in splits(layout.world, args.prompts_per_step, args.layout.max_staleness)
                 if args.prompts_per_step // c.dp * args.num_generations % args.minibatches == 0]
-        force = self.cfg.rebalance_force
-        if force and force[0] == step + 1:
-            to = next(c for c in fits if c.rollout == force[1])
+        force = dict(zip(self.cfg.rebalance_force[::2], self.cfg.rebalance_force[1::2]))
+        if step + 1 in force:
+            to = next(c for c in fits if c.rollout == force[step + 1])
             return Move(to, f"{layout.rollout} -> {to.rollout} rollout ranks: forced (--rebalance-force)",
                         self.window[-1]["step_s"], self.window[-1]["step_s"])
         horizon = min(self.cfg.rebalance_gap, args.steps - step - 1)

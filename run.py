@@ -196,18 +196,28 @@ def load_prompts(data: DataArgs, tok, env: EnvArgs) -> tuple[list[dict], int, li
     return rows, skipped, eval_rows
 
 
-def rollout_rank(plan, local_engine):
-    """disaggregate: a rollout rank's whole life. It builds its engine, serves its trainers
-    (roles/rollout.py `serve`) until they say stop, and leaves."""
+def rollout_rank(plan, local_engine, arrival=None):
+    """disaggregate: a rollout rank's life in one layout. It builds its engine (or keeps the one
+    it had: `arrival.engine`), serves its trainers (roles/rollout.py `serve`) until they say stop,
+    and leaves; or until they say move (--rebalance): then it moves with them and returns the next
+    layout's Plan and rebalance.Arrival."""
+    from rebalance import move
     from roles.rollout import serve
 
     t = time.perf_counter()
-    engine = placement.engine_for(plan, local_engine)
+    engine = placement.engine_for(plan, local_engine, kept=arrival and arrival.engine)
     if plan.rank == plan.dp:  # the first rollout rank
         print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
-    serve(plan, engine)
-    engine.close()
-    dist.exit_now(0)
+    moving = serve(plan, engine)
+    if moving is None:
+        engine.close()
+        dist.exit_now(0)
+    new, arrived = move(plan, moving.layout, None, moving.bucket_bytes, arrival, {})
+    if new.role == "rollout":
+        arrived.engine = engine
+    else:
+        engine.close()
+    return new, arrived
 
 
 class Evaluator:
@@ -246,7 +256,7 @@ def reduce_step(step: int, got, mask, timer, engine, plan, sums: dict, maxes: di
     staleness = step - out.version
     parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
-        **sums, **parts, **placement.phase_metrics(plan, engine, timer.seconds, step_s, got.tally),
+        **sums, **parts, **phase_metrics(plan, engine, timer.seconds, step_s, got.tally),
         "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(),
         "len": out.lengths.sum(),
         "truncated": out.finish_reasons.count("length"), "staleness": staleness, "completions": len(rewards),
@@ -287,6 +297,54 @@ def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
     return metrics
 
 
+def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None = None) -> dict:
+    """Where this rank's step went, per role: the busy and idle seconds of the trainer role and
+    of the rollout role, and `device_idle`, the seconds in which this rank's device (and, in
+    disaggregate, its share of its rollout rank's) had nothing to do. Summed over the trainers
+    these are the `placement/` metrics, and what a rebalancer would read. `seconds` holds the
+    step's phases (utils.logger.Timer): wait, sync, eval, generate, and the trainer's own (reward,
+    reference, train; PPO's reward_model, values, critic_train). partial: `tally` holds the
+    seconds this rank spent sampling or judging inside its rollout ("generate")."""
+    phase = lambda name: seconds.get(name, 0.0)  # noqa: E731
+    # the trainer role waits while samples are made (colocate: this rank makes them; disaggregate:
+    # its rollout rank does), and is busy in every other phase but the sync: scoring, the
+    # reference, the critic, training
+    trainer_idle = phase("wait") + phase("eval") + phase("generate")
+    trainer_busy = 0.0
+    for name, s in seconds.items():
+        if name not in ("wait", "eval", "generate", "sync"):
+            trainer_busy += s
+    if plan.mode == "partial":
+        # each rank is a trainer, and during the rollout a sampler or a judge
+        sampler_busy = 0.0
+        if plan.sampler:
+            sampler_busy = tally["sampler_busy"] + phase("eval")
+        judge_busy = tally["judge_busy"]
+        rollout_busy = sampler_busy + judge_busy
+        device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
+        out = {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
+               "rollout_idle": step_s - rollout_busy, "device_idle": device_idle,
+               "sampler_busy": sampler_busy, "judge_busy": judge_busy,
+               "sampler_idle": 0.0, "judge_idle": 0.0}
+        if plan.sampler:
+            out["sampler_idle"] = step_s - sampler_busy
+        else:
+            out["judge_idle"] = step_s - judge_busy
+        return out
+    if plan.mode == "disaggregate":
+        rollout = engine.take_stats()  # the rollout rank's seconds since the last step
+        rollout_busy = rollout["busy_s"] + rollout["sync_s"]
+        rollout_idle = rollout["idle_s"]
+        device_idle = trainer_idle + rollout_idle * plan.layout.rollout / plan.dp
+    else:
+        rollout_busy = phase("generate") + phase("eval")
+        rollout_idle = step_s - rollout_busy
+        # one device takes turns: it idles only while waiting on other ranks
+        device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
+    return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
+            "rollout_idle": rollout_idle, "device_idle": device_idle}
+
+
 def placement_metrics(plan, total: dict, peak: dict) -> dict:
     """The placement/ metrics from a step's reduced sums (phase_metrics' over the trainers) and
     maxima: per role, the mean over the trainer ranks (partial: per sampler and per judge rank)."""
@@ -308,11 +366,16 @@ class Run:
     """This rank's run around the step loop: the resume point, the stop signals, rank 0's
     logger, and the counters of steps the guards skipped."""
 
-    def __init__(self, args, plan, actor, reward, critic=None):
-        """reward: the scorer (its last failure is the reason when every reward keeps failing)."""
+    def __init__(self, args, plan, actor, reward, critic=None, arrival=None):
+        """reward: the scorer (its last failure is the reason when every reward keeps failing);
+        arrival: rebalance.Arrival, which after a --rebalance move in process carries the state (in
+        place of a checkpoint) and rank 0's logger."""
         self.args, self.cfg, self.plan, self.actor, self.critic = args, args.run, plan, actor, critic
         self.reward = reward
-        self.resumed = checkpoint.resume(self.cfg.run_dir, self.cfg.resume, actor, plan.rank, critic)
+        if arrival is not None and arrival.carried is not None:
+            self.resumed = checkpoint.restore(actor, arrival.carried)
+        else:
+            self.resumed = checkpoint.resume(self.cfg.run_dir, self.cfg.resume, actor, plan.rank, critic)
         self.start = self.resumed["step"]  # steps already done
         self.sigterm = False  # torchrun (or a scheduler) asks us to stop: save, then exit
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "sigterm", True))
@@ -320,8 +383,8 @@ class Run:
         self.stopped = False  # some rank was asked to stop: the same on every rank (reduced)
         self.skipped_steps = 0  # NaN/inf gradients
         self.unscored_steps = 0  # every reward failed
-        self.log = None
-        if plan.rank == 0:
+        self.log = arrival.log if arrival is not None else None
+        if plan.rank == 0 and self.log is None:
             cfg = self.cfg
             self.log = Logger(cfg.run_dir, asdict(args), args.steps, cfg.track, cfg.wandb_project, self.start)
 
@@ -358,11 +421,12 @@ class Run:
         self.stopped = bool(halt["sigterm"])
         return self.stopped
 
-    def finish(self, engine, evaluate: Evaluator, exit_code: int = 0):
+    def finish(self, engine, evaluate: Evaluator, exit_code: int | None = 0):
         """The end of the run. After the last step (not after a stop, or a move: `exit_code`
         nonzero, rebalance.MOVE_EXIT), the final policy goes to the engine for the last
         evaluation, then out as a HF checkpoint; rank 0 prints the summary and the picture.
-        Then every rank leaves with `exit_code`."""
+        Then every rank leaves with `exit_code`; None (a --rebalance move in process): it returns,
+        rank 0's logger open, for the next layout."""
         cfg, rank, steps = self.cfg, self.plan.rank, self.args.steps
         moved = exit_code != 0
         done = not (self.stopped or moved)
@@ -375,6 +439,8 @@ class Run:
                 self.log.log(steps - 1, {"final": True, **metrics})
         if cfg.save_final and done:
             checkpoint.export_hf(self.actor, os.path.join(cfg.run_dir, "final"), rank, self.args.data.model)
+        if exit_code is None:
+            return
         if rank == 0:
             if not moved:
                 final_dir = os.path.join(cfg.run_dir, "final") if cfg.save_final and done else None

@@ -27,7 +27,7 @@ import torch
 import placement
 import rollouts
 from placement import PlacementArgs
-from rebalance import RebalanceArgs, Rebalancer, moved_layout
+from rebalance import RebalanceArgs, Rebalancer, arrive
 from roles import judge as judge_role
 from roles.actor import Actor
 from roles.reference import Reference
@@ -299,30 +299,16 @@ def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, extra
     return entry, metrics
 
 
-if __name__ == "__main__":
-    launched = time.time()
-    args = parse(Args, check_args)
-    moved = moved_layout(args)  # --rebalance moved the ranks: this launch resumes in the layout it moved to
-    cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
-    rank, world, device = dist.init(args.run.timeout_s)
-    plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
-                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s,
-                          args.layout.sampler_ranks)
-    torch.manual_seed(args.run.seed)
-    param_dtype = getattr(torch, args.param_dtype)
-    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
-    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
-    args.reward.check_rows(rows)  # the columns the reward terms read
-    serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
-    engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                        args.run.seed, lora_rank=serve_lora, max_images=most_images(rows + eval_rows))
-    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
-    if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
-        rollout_rank(plan, local_engine)
-
+def train(args: Args, plan, arrival, cfg, tok, prompts: tuple, local_engine):
+    """This rank as a trainer in one layout: its roles, the components, the step loop. At the end
+    of the run it leaves the process; after a --rebalance move in process it returns the next
+    layout's Plan and rebalance.Arrival, which carries the state moved onto it."""
     # the roles on every trainer rank: the actor, the reference, the reward model, the judge
+    rows, skipped, eval_rows = prompts
+    device, param_dtype = plan.device, getattr(torch, args.param_dtype)
+    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
     dist.mark_memory_start(device)  # what the models and steps add is measured from here
-    if rank == 0:
+    if plan.rank == 0:
         print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
                              max(len(r["ids"]) for r in rows), len(eval_rows)), flush=True)
     actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
@@ -345,16 +331,16 @@ if __name__ == "__main__":
 
     # the components, chosen once: each does nothing when its flags are off
     scorer = Scorer(args.reward, rm, judge, tok.pad_id, device, args.max_new_tokens, args.overlong)
-    run = Run(args, plan, actor, scorer)
+    run = Run(args, plan, actor, scorer, arrival=arrival)
     rollout = rollouts.choose(engine, scorer, rows, args, plan, judge, run.resumed)
     evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
         1, args.temperature, args.top_p, args.top_k, args.max_new_tokens), args.run.seed, plan)
     correction = Correction(args.correction, actor)
-    rebalancer = Rebalancer(args, plan, actor, moved, run.start, launched, run.log, rollout.saved)
-    if rank == 0:
-        print(f"{world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; model "
-              f"{args.data.model} ({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train prompts "
-              f"({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
+    rebalancer = Rebalancer(args, plan, actor, arrival, run.start, run.log, rollout.saved, engine)
+    if plan.rank == 0:
+        print(f"{plan.layout.world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; "
+              f"model {args.data.model} ({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train "
+              f"prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
 
     n = args.num_generations
     for step in range(run.start, args.steps):
@@ -385,5 +371,30 @@ if __name__ == "__main__":
         entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine,
                                   (correction, teacher), args, plan)
         if run.end_of_step(step, metrics, train, rollout.saved()) or rebalancer.after_step(step, entry):
-            break  # a stop (SIGTERM), or a move to another layout (torchrun restarts every rank in it)
-    run.finish(engine, evaluate, rebalancer.exit_code)
+            break  # a stop (SIGTERM), or a move to another layout
+    run.finish(engine, evaluate, rebalancer.exit_code)  # leaves the process, unless a move goes on in it
+    return rebalancer.next_layout(actor, rollout.saved(), arrival, run.log)
+
+
+if __name__ == "__main__":
+    args = parse(Args, check_args)
+    arrival = arrive(args, time.time())  # --rebalance-restart moved the ranks: resume in their layout
+    cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
+    rank, world, device = dist.init(args.run.timeout_s)
+    plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
+                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s,
+                          args.layout.sampler_ranks)
+    torch.manual_seed(args.run.seed)
+    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
+    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
+    args.reward.check_rows(rows)  # the columns the reward terms read
+    serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
+    param_dtype = getattr(torch, args.param_dtype)
+    engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
+                        args.run.seed, lora_rank=serve_lora, max_images=most_images(rows + eval_rows))
+    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
+    while True:  # each layout of the run: a --rebalance move in process (rebalance.py) goes on here
+        if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop
+            plan, arrival = rollout_rank(plan, local_engine, arrival)
+        else:
+            plan, arrival = train(args, plan, arrival, cfg, tok, (rows, skipped, eval_rows), local_engine)

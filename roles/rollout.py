@@ -47,6 +47,13 @@ class Stop:
     """No more messages: the rollout rank leaves its loop."""
 
 
+@dataclass
+class Move:
+    """--rebalance, in process: the ranks move to `layout` (rebalance.py); the loop returns this."""
+    layout: object  # placement.Layout
+    bucket_bytes: int
+
+
 class RemoteEngine:
     """A trainer's handle on its rollout rank, behind the engine interface.
 
@@ -72,6 +79,7 @@ class RemoteEngine:
         self.transfer = None  # trainer 0, vLLM rollout engines: its end of their transfer group
         self.takes_adapters = False  # LoRA: the rollout ranks take adapters alone (agree_on_transfer)
         self.has_base = False  # LoRA: the rollout ranks hold the base weights, adapters alone may follow
+        self.moved = False  # the ranks moved to another layout: this handle says nothing more
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
@@ -150,8 +158,18 @@ class RemoteEngine:
     def release(self):
         pass  # the rollout rank keeps its weights: nothing here to free
 
+    def move(self, layout):
+        """--rebalance in process: after every reply due, tell the rollout rank where the ranks go."""
+        self.collect()
+        self._send(Move(layout, self.bucket_bytes))
+        while self.sent:
+            dist.wait_all(self.sent.popleft()[1])
+        self.moved = True
+
     def close(self):
         """Collect what is still in flight, then tell the rollout rank to stop."""
+        if self.moved:
+            return
         try:
             self.collect()
             self._send(Stop())
@@ -175,7 +193,7 @@ def serve(plan, engine):
       Generate: one batch per trainer (the batches a colocated engine would see), each
         answered to its trainer as soon as it is done: {"samples": Samples, "stats": seconds};
       Stop: leaves the loop (after a checkpoint: SIGTERM is ignored here, the trainers save
-        first and then send Stop).
+        first and then send Stop); Move: leaves it too, returning the Move (else None).
     Produces: samples tagged with the policy version that made them, and its running seconds
       busy / sync / idle, which the trainers turn into placement metrics."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -196,7 +214,7 @@ def serve(plan, engine):
             raise RuntimeError(f"trainers {plan.served} sent different messages {kinds}: they must run the "
                                "same loop")
         msg = msgs[0]
-        if isinstance(msg, Stop):
+        if isinstance(msg, (Stop, Move)):
             break
         t = time.perf_counter()
         if isinstance(msg, Weights):
@@ -215,6 +233,7 @@ def serve(plan, engine):
             t = time.perf_counter()
             sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, trainer)
     dist.wait_all(sent)
+    return msg if isinstance(msg, Move) else None
 
 
 def leave(engine, why: str):

@@ -92,15 +92,16 @@ from utils.errors import UserError  # noqa: E402
 MOVE_RUN = ["--steps", "6", "--prompts-per-step", "12", "--num-generations", "4", "--eval-every", "0",
             "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1", "--placement", "disaggregate",
             "--rollout-ranks", "1"]
-FORCED = ["--rebalance", "--rebalance-force", "3", "2", "--rebalance-window", "1", "--rebalance-gap", "1"]
+FORCED = ["--rebalance", "--rebalance-window", "1", "--rebalance-gap", "1", "--rebalance-force", "3", "2"]
+THERE_AND_BACK = [*FORCED, "5", "1"]  # 3 + 1 -> 2 + 2 after step 3, back to 3 + 1 after step 5
 
 
-def launch(args, run_dir, restarts=1, log=None):
+def launch(args, run_dir, restarts=0, log=None, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            f"--max-restarts={restarts}", "train_grpo.py", *args, "--run-dir", run_dir]
     out = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def finished(p, timeout=300):
@@ -109,28 +110,18 @@ def finished(p, timeout=300):
     return out
 
 
-def test_a_forced_move_carries_the_state_exactly_and_trains_on(tmp_path):
-    """4 ranks, on-policy: after step 3 the run moves from 3 trainers + 1 rollout rank to 2 + 2
-    (a checkpoint, the new layout, torchrun's restart). The digest of the full weights, Adam's
-    moments and the LR after the move equals the one before (the run checks it and logs
-    placement/move_state_equal; a mismatch would stop it), and it trains on to step 6. Against
-    the same run without the move: the same prompts, seeds and weights make every reward and
-    length identical; the losses and gradients of 2 trainers instead of 3 agree to 1e-4 (float
+@pytest.fixture(scope="module")
+def unmoved(tmp_path_factory):
+    """The run the moves are compared with: 3 trainers + 1 rollout rank throughout."""
+    run = str(tmp_path_factory.mktemp("still"))
+    finished(launch(MOVE_RUN, run))
+    return [r for r in metrics(run) if not r.get("event")]
+
+
+def same_run(a, b):
+    """The same prompts, seeds and (exactly carried) weights make every reward and length
+    identical; losses and gradients of another number of trainers agree to 1e-4 (the same float
     sums in another order); rows_trained counts each trainer's padded rows, so it follows the split."""
-    moved, still = str(tmp_path / "moved"), str(tmp_path / "still")
-    out = finished(launch([*MOVE_RUN, *FORCED], moved))
-    finished(launch(MOVE_RUN, still))
-    assert "rebalance after step 3 | 1 -> 2 rollout ranks: forced" in out, out[-3000:]
-    assert "resumed from" in out and "4 rank(s), disaggregate (2 trainer(s))" in out
-    state = json.load(open(os.path.join(moved, "placement.json")))
-    assert state["rollout_ranks"] == 2
-    assert [(m["step"], m["from"], m["to"]) for m in state["moves"]] == [(3, 1, 2)]
-    rows = metrics(moved)
-    events = [r for r in rows if r.get("event")]
-    assert [e["event"] for e in events] == ["placement/rebalance", "placement/moved"]
-    assert events[1]["placement/move_state_equal"] == 1.0 and events[1]["placement/move_s"] > 0
-    a = [r for r in metrics(still) if not r.get("event")]
-    b = [r for r in rows if not r.get("event")]
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(6)) + [5]
     for x, y in zip(a, b):
         for k in x:
@@ -142,40 +133,72 @@ def test_a_forced_move_carries_the_state_exactly_and_trains_on(tmp_path):
                 assert abs(x[k] - y[k]) <= 1e-4 * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
 
 
-def test_a_move_with_staleness_keeps_the_bound(tmp_path):
-    """--max-staleness 1: the prompts sent ahead of the move are generated again after it, by the
-    policy of the move's step, so the samples' ages (and so the metrics) differ from a run without
-    the move; what must hold is the bound, on every step, and the exact state."""
+def test_moves_in_process_there_and_back_carry_the_state_exactly(tmp_path, unmoved):
+    """4 ranks, on-policy: after step 3 the ranks move in process from 3 trainers + 1 rollout rank
+    to 2 + 2 (rank 2 becomes a rollout rank, rank 3 keeps its engine), after step 5 back to 3 + 1
+    (rank 2 trains again, its state arriving from trainer 0): no restart (torchrun has none to
+    give). After each move the digest of the full weights, Adam's moments and the LR equals the
+    one before (the run checks it and logs placement/move_state_equal; a mismatch would stop it),
+    and the run is the unmoved one, step for step."""
     run = str(tmp_path / "run")
-    out = finished(launch([*MOVE_RUN, *FORCED, "--max-staleness", "1"], run))
+    out = finished(launch([*MOVE_RUN, *THERE_AND_BACK], run))
+    assert "1 -> 2 rollout ranks: forced" in out and "2 -> 1 rollout ranks: forced" in out, out[-3000:]
+    assert out.count("(in process)") == 2 and "resumed from" not in out
+    assert "4 rank(s), disaggregate (2 trainer(s))" in out
+    state = json.load(open(os.path.join(run, "placement.json")))
+    assert [(m["step"], m["from"], m["to"]) for m in state["moves"]] == [(3, 1, 2), (5, 2, 1)]
+    rows = metrics(run)
+    events = [r for r in rows if r.get("event")]
+    assert [e["event"] for e in events] == ["placement/rebalance", "placement/moved"] * 2
+    for moved in events[1::2]:
+        assert moved["placement/move_state_equal"] == 1.0 and moved["placement/move_in_process"] == 1.0
+        assert 0 < moved["placement/move_state_s"] < moved["placement/move_s"]
+        assert moved["placement/move_state_bytes"] > 3 * 4 * 0.8e6  # weights and two moments, fp32
+    same_run(unmoved, [r for r in rows if not r.get("event")])
+
+
+def test_a_move_by_restart_carries_the_state_exactly(tmp_path, unmoved):
+    """--rebalance-restart, the fallback: a checkpoint, the new layout, torchrun's restart, the
+    resume; the same checks and the same run."""
+    run = str(tmp_path / "run")
+    out = finished(launch([*MOVE_RUN, *FORCED, "--rebalance-restart"], run, restarts=1))
+    assert "(torchrun restarts them)" in out and "resumed from" in out, out[-3000:]
+    assert "4 rank(s), disaggregate (2 trainer(s))" in out
+    rows = metrics(run)
+    moved = [r for r in rows if r.get("event") == "placement/moved"]
+    assert len(moved) == 1 and moved[0]["placement/move_state_equal"] == 1.0
+    assert moved[0]["placement/move_in_process"] == 0.0
+    same_run(unmoved, [r for r in rows if not r.get("event")])
+
+
+def test_moves_with_staleness_keep_the_bound(tmp_path):
+    """--max-staleness 1: the prompts sent ahead of a move are generated again after it, by the
+    policy of the move's step, so the samples' ages (and so the metrics) differ from a run without
+    the moves; what must hold is the bound, on every step, and the exact state."""
+    run = str(tmp_path / "run")
+    out = finished(launch([*MOVE_RUN, *THERE_AND_BACK, "--max-staleness", "1"], run))
     rows = metrics(run)
     steps = [r for r in rows if not r.get("event") and not r.get("final")]
     assert len(steps) == 6 and all(r["placement/staleness_max"] <= 1 for r in steps), out[-3000:]
     assert any(r["placement/staleness_max"] == 1 for r in steps)  # it did overlap
-    assert [r.get("placement/move_state_equal") for r in rows if r.get("event") == "placement/moved"] == [1.0]
+    assert [r.get("placement/move_state_equal") for r in rows if r.get("event") == "placement/moved"] == [1.0] * 2
 
 
 def test_a_rank_that_dies_during_a_move_fails_the_job_and_the_checkpoint_resumes(tmp_path):
-    """The move's restart is torchrun's only one (--max-restarts 1): a rank of the new layout
-    killed while it starts fails the job (torchrun names the rank and the signal), and the move's
-    checkpoint and layout are intact: a new launch with --resume auto goes on from them."""
+    """Rank 1 killed inside the move (after its checkpoint, while every rank waits in the move:
+    the test hook RL_TEST_MOVE_PAUSE_S holds them there) fails the job: torchrun names the rank and
+    the signal. The move's checkpoint and layout are intact: a new launch with --resume auto goes on
+    from them, in the new layout."""
     run, log = str(tmp_path / "run"), str(tmp_path / "out.log")
-    p = launch([*MOVE_RUN, *FORCED], run, log=log)
-    agent = psutil.Process(p.pid)
+    p = launch([*MOVE_RUN, *FORCED], run, log=log, env={"RL_TEST_MOVE_PAUSE_S": "60"})
     deadline = time.monotonic() + 240
-    victim = None
-    while victim is None:  # the restarted workers: kill rank 1 as soon as it is there
+    while "(in process)" not in open(log).read():  # every rank is now in the move, waiting
         assert time.monotonic() < deadline and p.poll() is None, open(log).read()[-3000:]
-        for c in agent.children():
-            try:
-                env = c.environ()
-                if env.get("TORCHELASTIC_RESTART_COUNT") == "1" and env.get("RANK") == "1":
-                    victim = c
-            except psutil.Error:
-                continue
-        time.sleep(0.01)
-    victim.kill()
-    assert p.wait(timeout=240) != 0
+        time.sleep(0.05)
+    for c in psutil.Process(p.pid).children():
+        if c.environ().get("RANK") == "1":
+            c.kill()
+    assert p.wait(timeout=120) != 0
     out = open(log).read()
     assert "rebalance after step 3" in out and "exitcode  : -9" in out, out[-3000:]
     assert json.load(open(os.path.join(run, "placement.json")))["rollout_ranks"] == 2
@@ -199,8 +222,15 @@ def check(monkeypatch, restarts, *flags):
 def test_the_rebalance_flags_say_what_to_change(monkeypatch):
     assert "add --placement disaggregate" in check(monkeypatch, 1, "--rebalance", "--placement", "colocate",
                                                    "--rollout-ranks", "0")
-    assert "launch with torchrun --max-restarts N" in check(monkeypatch, 0, "--rebalance")
+    said = check(monkeypatch, 0, "--rebalance", "--rebalance-restart")
+    assert "launch with torchrun --max-restarts N" in said
+    assert "add --rebalance" in check(monkeypatch, 1, "--rebalance-restart")
+    said = check(monkeypatch, 0, "--rebalance", "--engine", "vllm")
+    assert "add --rebalance-restart, or --engine native" in said
     said = check(monkeypatch, 1, "--rebalance", "--rebalance-force", "3", "3")
     assert "can move from 1 rollout ranks to [2]" in said
+    said = check(monkeypatch, 1, "--rebalance", "--rebalance-force", "3", "2", "5", "2")
+    assert "--rebalance-force 5 2: a world of 4 can move from 2 rollout ranks to [1]" in said
+    assert "pairs STEP K" in check(monkeypatch, 1, "--rebalance", "--rebalance-force", "3")
     assert "it forces a --rebalance move" in check(monkeypatch, 1, "--rebalance-force", "3", "2")
     assert "at least --rebalance-window" in check(monkeypatch, 1, "--rebalance", "--rebalance-gap", "2")

@@ -92,7 +92,7 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "meta.json"))
 
 
-def _state(actor, critic) -> dict:
+def state(actor, critic=None) -> dict:
     """The tensors DCP saves and loads: the actor's model and optimizer, and the critic's. Frozen
     parameters are left out (LoRA's base: it is --model's, read at start)."""
     model_sd, optim_sd = get_state_dict(actor.model, actor.opt, options=TRAINED)
@@ -119,7 +119,7 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
     dist.barrier(group=actor.group)
     error = ""
     try:
-        dcp.save(_state(actor, critic), checkpoint_id=tmp, process_group=actor.group)
+        dcp.save(state(actor, critic), checkpoint_id=tmp, process_group=actor.group)
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
             json.dump({"torch_rng": rng, **(rank_state or {})}, f)
@@ -224,11 +224,11 @@ def load(path: str, actor, rank: int, critic=None) -> dict:
                         "checkpoint, or start a new --run-dir")
     if critic is not None:
         _same_shape(path, meta["critic"], critic.config.to_hf(), "--critic-model")
-    state = _state(actor, critic)
-    dcp.load(state, storage_reader=SafeReader(path), process_group=actor.group)
-    _restore(actor, state["model"], state["optim"], meta["scheduler"])
+    tensors = state(actor, critic)
+    dcp.load(tensors, storage_reader=SafeReader(path), process_group=actor.group)
+    _restore(actor, tensors["model"], tensors["optim"], meta["scheduler"])
     if critic is not None:
-        _restore(critic, state["critic_model"], state["critic_optim"], meta["critic_scheduler"])
+        _restore(critic, tensors["critic_model"], tensors["critic_optim"], meta["critic_scheduler"])
     rank_file = os.path.join(path, f"rank{rank}.json")
     meta["rank_state"] = {}
     if os.path.isfile(rank_file):  # a different world size: ranks beyond the old one keep their seed
@@ -237,6 +237,14 @@ def load(path: str, actor, rank: int, critic=None) -> dict:
         rng = base64.b64decode(meta["rank_state"].pop("torch_rng"))
         torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
     return meta
+
+
+def restore(actor, carried: dict) -> dict:
+    """A --rebalance move in process: the state it carried onto this rank's mesh (rebalance.move:
+    `state`'s tensors, resharded, and the meta a checkpoint would hold), restored as `load`
+    restores a checkpoint's. Returns the meta, with this rank's own saved state as "rank_state"."""
+    _restore(actor, carried["state"]["model"], carried["state"]["optim"], carried["meta"]["scheduler"])
+    return {**carried["meta"], "rank_state": carried.get("rank_state", {})}
 
 
 def resume(run_dir: str, how: str, actor, rank: int, critic=None) -> dict:

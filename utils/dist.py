@@ -7,9 +7,11 @@ import os
 import pickle
 import resource
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from utils.errors import UserError
 
@@ -356,6 +358,62 @@ def receive_buckets(buckets, shapes: dict, src: int, group, device, bufs):
         del buf, chunk
         if i + 2 < len(buckets):
             works.append(receive(i + 2))  # with a dict: into this bucket's buffer, its tensors copied out
+
+
+# ---- a sharded state as a stream of whole tensors and back (placement.reshard: a move in process) ----
+
+@dataclass
+class Slot:
+    """Where a tensor sits in a state outline: its place in the stream, its shape, and its
+    DTensor placements (FSDP2: Shard(0); None for a plain tensor, such as Adam's step count)."""
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+    placements: tuple | None
+
+
+def outline(value, tensors: list):
+    """A nested dict with each tensor replaced by its Slot, the tensors appended to `tensors` in
+    walk order; everything else (numbers, lists, strings) stays: it pickles, the tensors do not."""
+    if isinstance(value, dict):
+        return {k: outline(v, tensors) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor):
+        return value
+    tensors.append(value)
+    placements = tuple(value.placements) if isinstance(value, DTensor) else None
+    return Slot(len(tensors) - 1, tuple(value.shape), value.dtype, placements)
+
+
+def slots(shape) -> list[Slot]:
+    """An outline's Slots, in stream order."""
+    if isinstance(shape, dict):
+        return [s for v in shape.values() for s in slots(v)]
+    return [shape] if isinstance(shape, Slot) else []
+
+
+def filled(shape, tensors: dict):
+    """The outline with each Slot replaced by tensors[its index]."""
+    if isinstance(shape, dict):
+        return {k: filled(v, tensors) for k, v in shape.items()}
+    return tensors[shape.index] if isinstance(shape, Slot) else shape
+
+
+def own_part(full: torch.Tensor, slot: Slot, mesh, device) -> torch.Tensor:
+    """This rank's part of a full tensor on `mesh`: its slice by the Slot's placements as a DTensor
+    (sliced here, no traffic: every rank holds `full`), or a copy of a plain tensor."""
+    full = full.to(device)
+    if slot.placements is None:
+        return full.clone()
+    local = distribute_tensor(full, mesh, slot.placements, src_data_rank=None).to_local().clone()
+    return DTensor.from_local(local, mesh, slot.placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def destroy_groups(groups):
+    """Destroy the groups among `groups` that this rank is a member of."""
+    for group in groups:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 # ---- messages between roles (disaggregate): pickled objects over point-to-point send/recv ----
