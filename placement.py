@@ -1,7 +1,6 @@
-"""Which rank plays which role (`plan`), the engine each rank gets (`engine_for`), moving
-weights from the trainers to the engines (`sync`), and where each role's time went
-(run.py `phase_metrics`). A --rebalance move (rebalance.py) goes on in process: `replan`
-builds the new layout's groups and mesh, `reshard` moves the trainers' state onto it.
+"""Which rank plays which role (`plan`), the engine each rank gets (`engine_for`), moving weights
+from the trainers to the engines (`sync`); for a --rebalance move in process (rebalance.py), the
+new layout's groups and mesh (`replan`) and the trainers' state moved onto it (`reshard`).
 
 colocate (G-Core's full colocation): every rank trains and generates, taking turns on its device;
 before generation it all-gathers the actor's FSDP2 shards block by block straight into its own
@@ -28,8 +27,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from roles.rollout import RemoteEngine, agree_on_transfer
-from utils.dist import (broadcast_buckets, destroy_groups, filled, outline, own_part, plan_buckets,
-                        receive_buckets, slots)
+from utils.dist import (broadcast_buckets, destroy_groups, filled, measured, outline, own_part,
+                        plan_buckets, receive_buckets, slots)
 from utils.engines import NoEngine
 from utils.errors import UserError, check_rules
 from utils.logger import Timer
@@ -183,10 +182,9 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
 
 
 def replan(old: Plan, layout: Layout) -> Plan:
-    """disaggregate, a --rebalance move in process, every rank: this rank's Plan in `layout`, with
-    new groups and a new trainer mesh (`reshard` moves the state over the old ones, then drops them).
-    The mesh's dim gets a name of its own: DTensor caches plans by mesh equality (ranks and names),
-    so a mesh equal to an earlier one would find plans holding that one's destroyed groups."""
+    """disaggregate, a --rebalance move in process, every rank: this rank's Plan in `layout`, new
+    groups and trainer mesh, its dim named by the move: DTensor caches plans by mesh equality (ranks
+    and names), and an earlier equal mesh's plans hold its groups, which `reshard` destroys."""
     return _disaggregated(layout, old.rank, old.device, old.timeout_s, f"dp_{next(MOVES)}")
 
 
@@ -322,10 +320,10 @@ def _sync(plan: Plan, actor, engine, version: int) -> dict:
     # unmerged; vLLM ones with --lora-vllm adapters have their own base): them alone after that
     lora_adapters = bool(actor.scales) and engine.takes_adapters
     if not (lora_adapters and engine.has_base):
-        _give(plan, engine, _measured(actor.full_weights(base=lora_adapters), stats))
+        _give(plan, engine, measured(actor.full_weights(base=lora_adapters), stats))
         engine.has_base = lora_adapters
     if lora_adapters:
-        _give(plan, engine, _measured(actor.adapter_weights(), stats), (actor.adapter_specs(), actor.scales))
+        _give(plan, engine, measured(actor.adapter_weights(), stats), (actor.adapter_specs(), actor.scales))
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the broadcast and copies run asynchronously: time them whole
     return {"sync_s": time.perf_counter() - t, **stats}
@@ -343,15 +341,3 @@ def _give(plan: Plan, engine, weights, adapters: tuple | None = None):
     else:
         for _ in weights:
             pass
-
-
-def _measured(weights, stats: dict):
-    """The (name, tensor) stream, adding the seconds spent producing it and its bytes to `stats`."""
-    while True:
-        t = time.perf_counter()
-        item = next(weights, None)
-        stats["sync_gather_s"] += time.perf_counter() - t
-        if item is None:
-            return
-        stats["sync_bytes"] += item[1].numel() * item[1].element_size()
-        yield item

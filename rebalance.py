@@ -256,7 +256,8 @@ class Rebalancer:
             timings = {}
             if arrival.carried is not None:  # in process: where the seconds went (the slowest rank's)
                 timings = {k: arrival.timings.get(k, 0.0) for k in MOVE_PARTS}  # a joiner had no checkpoint
-                timings = dist.reduce({**timings, "rebuild_s": time.time() - arrival.left}, op=MAX, group=group)
+                timings["rebuild_s"] = time.time() - arrival.left
+                timings = dist.reduce(timings, op=MAX, group=group)
             if self.plan.rank == 0:
                 self.log.log(start - 1, {"event": "placement/moved", "placement/move_s": cost_s,
                                          "placement/move_state_equal": 1.0,

@@ -6,7 +6,7 @@ import torch
 import tyro
 
 import rollouts
-from rebalance import Rebalancer
+from rebalance import Arrival, Rebalancer
 from train_grpo import Args
 from utils import algos
 from utils.logger import Timer
@@ -56,7 +56,8 @@ def test_components_off_do_nothing():
     correction.apply(batch, Timer())
     assert batch.keys() == before.keys() and all(torch.equal(batch[k], before[k]) for k in batch)
     assert (correction.sums, correction.maxes, correction.metrics({}, {})) == ({}, {}, {})
-    rebalancer = Rebalancer(parse(), plan("disaggregate"), None, moved={}, start=0, launched=0.0, log=None)
+    arrival = Arrival("runs/x", {}, 0.0)
+    rebalancer = Rebalancer(parse(), plan("disaggregate"), None, arrival, start=0, log=None)
     assert not rebalancer.after_step(0, {"trainer_busy": 1.0, "rollout_busy": 9.0, "step_s": 10.0})
     assert rebalancer.exit_code == 0 and rebalancer.window == []
 

@@ -181,7 +181,8 @@ def test_moves_with_staleness_keep_the_bound(tmp_path):
     steps = [r for r in rows if not r.get("event") and not r.get("final")]
     assert len(steps) == 6 and all(r["placement/staleness_max"] <= 1 for r in steps), out[-3000:]
     assert any(r["placement/staleness_max"] == 1 for r in steps)  # it did overlap
-    assert [r.get("placement/move_state_equal") for r in rows if r.get("event") == "placement/moved"] == [1.0] * 2
+    moved = [r for r in rows if r.get("event") == "placement/moved"]
+    assert [r["placement/move_state_equal"] for r in moved] == [1.0] * 2
 
 
 def test_a_rank_that_dies_during_a_move_fails_the_job_and_the_checkpoint_resumes(tmp_path):

@@ -7,6 +7,7 @@ import os
 import pickle
 import resource
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -284,6 +285,18 @@ def broadcast_buckets(weights, buckets, src: int, group, device, bufs: dict):
         in_flight.wait()
     if next(weights, None) is not None:
         raise RuntimeError("the weight stream has more tensors than the bucket plan")
+
+
+def measured(weights, stats: dict):
+    """The (name, tensor) stream, adding the seconds spent producing it and its bytes to `stats`."""
+    while True:
+        t = time.perf_counter()
+        item = next(weights, None)
+        stats["sync_gather_s"] += time.perf_counter() - t
+        if item is None:
+            return
+        stats["sync_bytes"] += item[1].numel() * item[1].element_size()
+        yield item
 
 
 class KeptBuffers:
