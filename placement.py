@@ -182,10 +182,15 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
 
 
 def replan(old: Plan, layout: Layout) -> Plan:
-    """disaggregate, a --rebalance move in process, every rank: this rank's Plan in `layout`, new
-    groups and trainer mesh, its dim named by the move: DTensor caches plans by mesh equality (ranks
+    """A --rebalance move in process, every rank: this rank's Plan in `layout`, new groups and
+    trainer mesh, its dim named by the move: DTensor caches plans by mesh equality (ranks
     and names), and an earlier equal mesh's plans hold its groups, which `reshard` destroys."""
-    return _disaggregated(layout, old.rank, old.device, old.timeout_s, f"dp_{next(MOVES)}")
+    dim, timeout = f"dp_{next(MOVES)}", datetime.timedelta(seconds=old.timeout_s)
+    if layout.mode == "partial":  # every rank trains in both: a new mesh over them all, S' samplers
+        group = dist.new_group(list(range(layout.world)), timeout=timeout)
+        mesh = DeviceMesh.from_group(group, old.device.type, mesh_dim_names=(dim,))
+        return Plan(layout, old.rank, old.device, "trainer", mesh, trainer_group=group, timeout_s=old.timeout_s)
+    return _disaggregated(layout, old.rank, old.device, old.timeout_s, dim)
 
 
 def _disaggregated(layout: Layout, rank: int, device: torch.device, timeout_s: float,

@@ -62,14 +62,17 @@ class RebalanceArgs:
 
     def check(self, args, world: int, layout: Layout):
         check_rules(self, [
-            ("rebalance", not self.rebalance or args.layout.placement == "disaggregate",
-             "it moves ranks between trainers and rollout ranks: add --placement disaggregate "
-             "--rollout-ranks K"),
+            ("rebalance", not self.rebalance or args.layout.placement in ("disaggregate", "partial"),
+             "it moves ranks between roles: add --placement disaggregate --rollout-ranks K (trainers and "
+             "rollout ranks) or --placement partial (samplers and judges)"),
             ("rebalance", not self.rebalance or not args.ds.dynamic_sampling,
              "dynamic sampling keeps a prompt stream per trainer, which a move would split differently; "
              "drop one"),
             ("rebalance_restart", not self.rebalance_restart or self.rebalance, "it moves by a restart: add "
              "--rebalance"),
+            ("rebalance_restart", not self.rebalance_restart or args.layout.placement != "partial",
+             "partial placement moves in process only (every rank trains: the state stays on its ranks); "
+             "drop it"),
             ("rebalance_restart", not self.rebalance_restart
              or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) >= 1,
              "a move restarts the workers in the new layout: launch with torchrun --max-restarts N (one per "
@@ -87,13 +90,13 @@ class RebalanceArgs:
             ("rebalance_force", not self.rebalance_force or self.rebalance,
              "it forces a --rebalance move: add --rebalance"),
             ("rebalance_force", len(self.rebalance_force) % 2 == 0, "pairs STEP K")])
-        now = layout.rollout
+        now = side(layout)
         for step, k in zip(self.rebalance_force[::2], self.rebalance_force[1::2]):
-            fits = [c.rollout for c in splits(world, args.prompts_per_step, args.layout.max_staleness)
-                    if c.rollout != now]
+            fits = [side(c) for c in splits(world, args.prompts_per_step, args.layout.max_staleness,
+                                            layout.mode) if side(c) != now]
             if k not in fits:
                 raise UserError(f"--rebalance-force {step} {k}: a world of {world} can move from "
-                                f"{now} rollout ranks to {fits or 'none other'}")
+                                f"{now} {ranks(layout)} to {fits or 'none other'}")
             now = k
 
 
@@ -107,12 +110,24 @@ class Move:
     gain_s: float = 0.0  # predicted seconds saved over the horizon, less the move's cost
 
 
-def splits(world: int, prompts_per_step: int, max_staleness: int) -> list[Layout]:
-    """Every disaggregated layout of `world` ranks that `placement.check` accepts for this batch."""
+def side(layout: Layout) -> int:
+    """What a move changes: the rollout ranks K (disaggregate), the sampler ranks S (partial)."""
+    return layout.sampler if layout.mode == "partial" else layout.rollout
+
+
+def ranks(layout: Layout) -> str:
+    return "sampler ranks" if layout.mode == "partial" else "rollout ranks"
+
+
+def splits(world: int, prompts_per_step: int, max_staleness: int, mode: str = "disaggregate") -> list[Layout]:
+    """Every layout of `world` ranks in `mode` that `placement.check` accepts for this batch."""
     fits = []
     for k in range(1, world):
         try:
-            fits.append(placement.check("disaggregate", world, prompts_per_step, k, max_staleness))
+            if mode == "partial":
+                fits.append(placement.check(mode, world, prompts_per_step, 0, max_staleness, sampler_ranks=k))
+            else:
+                fits.append(placement.check(mode, world, prompts_per_step, k, max_staleness))
         except UserError:
             continue
     return fits
@@ -128,42 +143,56 @@ def decide(window: list[dict], layout: Layout, fits: list[Layout], max_staleness
     split of `fits` (`splits`, less what the script refuses) is predicted faster by more than
     `threshold` (a share of the step) and saves more than `move_cost_s` over the next `horizon`
     steps; else stays, saying why. Never within `min_gap` steps of the last move (`since_move`
-    steps ago), so that a move's own disturbance cannot trigger the next one.
-    window: [{"trainer_busy", "rollout_busy", "step_s"}] per step."""
-    if layout.mode != "disaggregate":
-        return Move(None, f"{layout.mode} placement has no rollout ranks to move")
+    steps ago), so that a move's own disturbance cannot trigger the next one. Partial: the
+    samplers' busy seconds (`sampler_busy`, summed over them) are the generation work and the
+    judges' (`judge_busy`) the judging work; they stream side by side, so the rollout takes the
+    slower side's share, max(generate / S, judge / G), and S' + G' = N changes only that part of
+    the step (G-Core's partial colocation lives or dies by this split).
+    window: [{"trainer_busy", "rollout_busy", "sampler_busy", "judge_busy", "step_s"}] per step."""
+    if layout.mode not in ("disaggregate", "partial"):
+        return Move(None, f"{layout.mode} placement has no ranks to move")
     if since_move < min_gap:
         return Move(None, f"{since_move} steps since the last move, under the minimum gap of {min_gap}")
-    n = len(window)
-    step_s = sum(w["step_s"] for w in window) / n
-    train = sum(w["trainer_busy"] for w in window) / n * layout.dp  # trainer-seconds per step
-    generate = sum(w["rollout_busy"] for w in window) / n * layout.rollout  # rollout-rank-seconds per step
-
-    def predicted(k: int) -> float:
-        sides = (train / (layout.world - k), generate / k)
-        return max(sides) if max_staleness else sum(sides)
-
-    others = [c for c in fits if c.rollout != layout.rollout]
-    best = min(others, key=lambda c: predicted(c.rollout), default=None)
+    mean = lambda key: sum(w[key] for w in window) / len(window)  # noqa: E731
+    step_s = mean("step_s")
+    if layout.mode == "partial":
+        generate, judge = mean("sampler_busy"), mean("judge_busy")  # rank-seconds per step
+        rest = step_s - max(generate / layout.sampler, judge / layout.judge)
+        predicted = lambda c: rest + max(generate / c.sampler, judge / c.judge)  # noqa: E731
+    else:
+        train = mean("trainer_busy") * layout.dp  # trainer-seconds per step
+        generate = mean("rollout_busy") * layout.rollout  # rollout-rank-seconds per step
+        sides = lambda c: (train / c.dp, generate / c.rollout)  # noqa: E731
+        predicted = lambda c: max(sides(c)) if max_staleness else sum(sides(c))  # noqa: E731
+    best = min((c for c in fits if side(c) != side(layout)), key=predicted, default=None)
     if best is None:
         return Move(None, "no other split fits the world and the batch", step_s)
-    faster = step_s - predicted(best.rollout)
+    faster = step_s - predicted(best)
     gain = faster * horizon - move_cost_s
-    move = Move(None, "", step_s, predicted(best.rollout), gain)
+    move = Move(None, "", step_s, predicted(best), gain)
     if faster < threshold * step_s:
-        move.why = (f"{best.rollout} rollout ranks would save {faster / step_s:.0%} of a step, under the "
+        move.why = (f"{side(best)} {ranks(best)} would save {faster / step_s:.0%} of a step, under the "
                     f"threshold {threshold:.0%}")
     elif gain <= 0:
         move.why = (f"the move costs {move_cost_s:.0f}s, more than the {faster * horizon:.0f}s it saves over "
                     f"{horizon} steps")
     else:
-        move.layout, move.why = best, (f"{layout.rollout} -> {best.rollout} rollout ranks: {step_s:.2f}s -> "
-                                       f"{predicted(best.rollout):.2f}s per step predicted")
+        move.layout, move.why = best, (f"{side(layout)} -> {side(best)} {ranks(best)}: {step_s:.2f}s -> "
+                                       f"{predicted(best):.2f}s per step predicted")
     return move
 
 
+def window_entry(total: dict, peak: dict, plan) -> dict:
+    """A step's row of the window `decide` reads, from its reduced sums and maxima (run.reduce_step):
+    each side's busy seconds per rank (partial: summed over its ranks) and the step's."""
+    return {"trainer_busy": total["trainer_busy"] / plan.dp, "rollout_busy": total["rollout_busy"] / plan.dp,
+            "sampler_busy": total.get("sampler_busy", 0.0), "judge_busy": total.get("judge_busy", 0.0),
+            "step_s": peak["step_s"]}
+
+
 def moves(run_dir: str) -> dict:
-    """{"rollout_ranks": K, "moves": [...]} as the last move left it ({} before any)."""
+    """{"rollout_ranks": K (or "sampler_ranks": S), "moves": [...]} as the last move left it ({} before
+    any)."""
     path = os.path.join(run_dir, MOVES)
     if not os.path.isfile(path):
         return {}
@@ -174,7 +203,8 @@ def moves(run_dir: str) -> dict:
 def record_move(run_dir: str, record: dict):
     """Rank 0, after the move's checkpoint is complete: the new layout, written whole (a rename)."""
     state = moves(run_dir)
-    state = {"rollout_ranks": record["to"], "moves": [*state.get("moves", []), record]}
+    key = "sampler_ranks" if record["mode"] == "partial" else "rollout_ranks"
+    state = {key: record["to"], "moves": [*state.get("moves", []), record]}
     tmp = os.path.join(run_dir, MOVES + ".tmp")
     with open(tmp, "w") as f:
         json.dump(state, f, indent=1)
@@ -199,13 +229,14 @@ class Arrival:
 
 def arrive(args, launched: float) -> Arrival:
     """Before the process group: a launch that torchrun restarted after a move (or --resume auto)
-    takes the layout the move wrote (args.layout.rollout_ranks)."""
+    takes the layout the move wrote (args.layout.rollout_ranks or sampler_ranks)."""
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     moved = {}
     if args.balance.rebalance and (restarted or args.run.resume == "auto"):
         moved = moves(args.run.run_dir)
-    if moved:
-        args.layout.rollout_ranks = moved["rollout_ranks"]
+    for key in ("rollout_ranks", "sampler_ranks"):
+        if key in moved:
+            setattr(args.layout, key, moved[key])
     return Arrival(args.run.run_dir, moved, moved["moves"][-1]["at"] if moved else launched)
 
 
@@ -263,7 +294,8 @@ class Rebalancer:
                                          "placement/move_state_equal": 1.0,
                                          "placement/move_in_process": float(arrival.carried is not None),
                                          **{f"placement/move_{k}": v for k, v in timings.items()},
-                                         "placement/rollout_ranks": self.plan.layout.rollout})
+                                         f"placement/{ranks(self.plan.layout).replace(' ', '_')}":
+                                             side(self.plan.layout)})
         return cost_s
 
     def after_step(self, step: int, entry: dict) -> bool:
@@ -288,17 +320,16 @@ class Rebalancer:
         t = time.perf_counter()
         if move.layout is None or not self._move(step, move, self.saved()):
             return False
-        k = move.layout.rollout
-        how = "torchrun restarts them" if restart else "in process"
+        how, to = "torchrun restarts them" if restart else "in process", move.layout
         if self.plan.rank == 0:
-            print(f"moving to {self.plan.layout.world - k} trainers + {k} rollout ranks ({how}), from step "
-                  f"{step + 2}", flush=True)
+            print(f"moving to {side(to)} {ranks(to)} of {to.world} ({how}), from step {step + 2}", flush=True)
         if restart:
             self.exit_code = MOVE_EXIT
             return True
         self.timings["checkpoint_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.engine.move(move.layout)  # the rollout ranks leave their loop for the move
+        if self.plan.mode == "disaggregate":
+            self.engine.move(move.layout)  # the rollout ranks leave their loop for the move
         self.timings["agree_s"] = time.perf_counter() - t
         self.exit_code, self.target, self.step = None, move.layout, step
         return True
@@ -318,12 +349,12 @@ class Rebalancer:
         """decide over the splits this run accepts (placement.check's, whose trainers can also
         split the minibatches), or --rebalance-force's."""
         args, layout = self.args, self.plan.layout
-        fits = [c for c in splits(layout.world, args.prompts_per_step, args.layout.max_staleness)
+        fits = [c for c in splits(layout.world, args.prompts_per_step, args.layout.max_staleness, layout.mode)
                 if args.prompts_per_step // c.dp * args.num_generations % args.minibatches == 0]
         force = dict(zip(self.cfg.rebalance_force[::2], self.cfg.rebalance_force[1::2]))
         if step + 1 in force:
-            to = next(c for c in fits if c.rollout == force[step + 1])
-            return Move(to, f"{layout.rollout} -> {to.rollout} rollout ranks: forced (--rebalance-force)",
+            to = next(c for c in fits if side(c) == force[step + 1])
+            return Move(to, f"{side(layout)} -> {side(to)} {ranks(to)}: forced (--rebalance-force)",
                         self.window[-1]["step_s"], self.window[-1]["step_s"])
         horizon = min(self.cfg.rebalance_gap, args.steps - step - 1)
         cfg = self.cfg
@@ -334,8 +365,8 @@ class Rebalancer:
         """The move after `step`: a checkpoint, then rank 0 writes the new layout and logs why.
         False (no move) when the checkpoint failed: the run goes on as it was."""
         run_dir = self.args.run.run_dir
-        record = {"step": step + 1, "at": time.time(), "from": self.plan.layout.rollout,
-                  "to": move.layout.rollout, "why": move.why, "step_s": move.step_s,
+        record = {"step": step + 1, "at": time.time(), "mode": self.plan.mode, "from": side(self.plan.layout),
+                  "to": side(move.layout), "why": move.why, "step_s": move.step_s,
                   "predicted_s": move.predicted_s, "gain_s": move.gain_s, "cost_s": self.cost_s,
                   "digest": checkpoint.digest(self.actor)}
         done = checkpoint.save(run_dir, step + 1, self.actor, self.args.run.keep_last, self.plan.rank,

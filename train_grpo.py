@@ -27,7 +27,7 @@ import torch
 import placement
 import rollouts
 from placement import PlacementArgs
-from rebalance import RebalanceArgs, Rebalancer, arrive
+from rebalance import RebalanceArgs, Rebalancer, arrive, window_entry
 from roles import judge as judge_role
 from roles.actor import Actor
 from roles.reference import Reference
@@ -285,8 +285,7 @@ def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, extra
         **train[1], **correction.maxes, **sync, "judge_s": s.get("judge", 0.0),
         "rollout_judge_s": s["generate"] + s.get("judge", 0.0), "old_logp_s": s.get("old_logp", 0.0),
         "teacher_s": s.get("teacher", 0.0)})
-    entry = {"trainer_busy": total["trainer_busy"] / plan.dp, "rollout_busy": total["rollout_busy"] / plan.dp,
-             "step_s": peak["step_s"]}
+    entry = window_entry(total, peak, plan)  # what --rebalance reads: the same on every rank
     if plan.rank != 0:
         return entry, None
     T = max(1.0, total["completion_tokens"])

@@ -85,3 +85,26 @@ def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path):
     assert "every reward failed" in p.stdout + p.stderr and "judg" in p.stdout + p.stderr
     rows = metrics(run)
     assert rows and all(r["reward/failures"] == 16 for r in rows if "reward/failures" in r)
+
+
+def test_a_sampler_judge_move_in_process_keeps_the_run(tmp_path):
+    """--rebalance in partial placement, 3 ranks: after step 2 the split moves from 1 sampler + 2
+    judges to 2 + 1 in process (forced; the measured decision is rebalance.decide's partial branch,
+    tests/test_rebalance.py). Every rank trains in both layouts and each prompt's samples and
+    verdicts are seeded by the prompt, not by the rank that makes them, so the run is the unmoved
+    one bit for bit: the same 3 trainers reduce in the same order, and the sampler generates each
+    rank's 2 prompts as one --judge-chunk 2 batch in either split."""
+    flags = ["--steps", "4", "--prompts-per-step", "6", "--num-generations", "4", "--eval-every", "0",
+             "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1", *JUDGE, *PARTIAL]
+    still, moved = str(tmp_path / "still"), str(tmp_path / "moved")
+    torchrun(3, "train_grpo.py", *flags, "--run-dir", still)
+    out = torchrun(3, "train_grpo.py", *flags, "--rebalance", "--rebalance-window", "1", "--rebalance-gap", "1",
+                   "--rebalance-force", "2", "2", "--run-dir", moved).stdout
+    assert "1 -> 2 sampler ranks: forced" in out and "(in process)" in out, out[-3000:]
+    rows = metrics(moved)
+    events = [r for r in rows if r.get("event") == "placement/moved"]
+    assert len(events) == 1 and events[0]["placement/move_state_equal"] == 1.0
+    assert events[0]["placement/sampler_ranks"] == 2
+    after = [r for r in rows if not r.get("event") and r["step"] >= 2 and not r.get("final")]
+    assert after and all(r["placement/judge_busy_s"] > 0 for r in after)
+    assert differences(metrics(still), rows) == []

@@ -74,6 +74,24 @@ def test_on_policy_runs_add_the_sides():
     assert (move.layout.dp, move.layout.rollout) == (2, 2) and abs(move.predicted_s - 3.0) < 1e-9
 
 
+def test_partial_moves_the_sampler_judge_split():
+    """Partial, 4 ranks, 1 s of training per step: samplers and judges stream side by side, so
+    the rollout takes max(generate / S, judge / G). 1 sampler + 3 judges with 4 s of generation
+    and 3 s of judging: 4 s, a 5 s step; 2 + 2 gives max(2, 1.5) + 1 = 3 s, 3 + 1 max(1.33, 3) + 1 =
+    4 s. Judge-bound the other way (1 s and 6 s at 3 + 1: a 7 s step): 1 + 3, max(1, 2) + 1 = 3 s."""
+    def partial(sampler, generate, judge, step_s):
+        layout = Layout("partial", N, dp=N, sampler=sampler)
+        row = {"trainer_busy": 1.0, "rollout_busy": 0.0, "sampler_busy": generate, "judge_busy": judge,
+               "step_s": step_s}
+        return rebalance([row] * 10, layout, splits(N, 12, 0, "partial"), 0, 5.0, 100, 0.1, 50, 20)
+
+    move = partial(1, 4.0, 3.0, 5.0)
+    assert move.layout.sampler == 2 and abs(move.predicted_s - 3.0) < 1e-9, move
+    assert "1 -> 2 sampler ranks" in move.why
+    move = partial(3, 1.0, 6.0, 7.0)
+    assert move.layout.sampler == 1 and abs(move.predicted_s - 3.0) < 1e-9, move
+
+
 # ---------------------------------------------------------------- the move, end to end
 
 import json  # noqa: E402

@@ -423,9 +423,10 @@ def own_part(full: torch.Tensor, slot: Slot, mesh, device) -> torch.Tensor:
 
 
 def destroy_groups(groups):
-    """Destroy the groups among `groups` that this rank is a member of."""
+    """Destroy the groups among `groups` that this rank is a member of, the default group aside (a
+    mesh over the whole world is built on it)."""
     for group in groups:
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        if group not in (None, dist.GroupMember.NON_GROUP_MEMBER, dist.group.WORLD):
             dist.destroy_process_group(group)
 
 
