@@ -32,7 +32,7 @@ MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and eac
 MOVE_EXIT = 3  # --rebalance-restart: a rank's exit code after a move; torchrun starts the new layout
 PAUSE = "RL_TEST_MOVE_PAUSE_S"  # a test hook: seconds each rank waits in a move in process, once saved
 MAX = torch.distributed.ReduceOp.MAX
-MOVE_PARTS = ("checkpoint_s", "agree_s", "groups_s", "state_s", "state_bytes")  # a move in process's seconds
+MOVE_PARTS = ("digest_s", "checkpoint_s", "agree_s", "groups_s", "state_s", "state_bytes")  # a move's parts
 
 
 @dataclass
@@ -279,6 +279,7 @@ class Rebalancer:
         last = arrival.moves["moves"][-1] if arrival.moves else None
         group = self.plan.trainer_group
         cost_s = dist.reduce({"s": time.time() - arrival.since}, op=MAX, group=group)["s"]
+        rebuild_s = time.time() - arrival.left
         if last and last["step"] == start:
             if checkpoint.digest(self.actor) != last["digest"]:
                 raise RuntimeError(f"the move after step {start} did not carry the training state exactly "
@@ -287,7 +288,7 @@ class Rebalancer:
             timings = {}
             if arrival.carried is not None:  # in process: where the seconds went (the slowest rank's)
                 timings = {k: arrival.timings.get(k, 0.0) for k in MOVE_PARTS}  # a joiner had no checkpoint
-                timings["rebuild_s"] = time.time() - arrival.left
+                timings["rebuild_s"] = rebuild_s
                 timings = dist.reduce(timings, op=MAX, group=group)
             if self.plan.rank == 0:
                 self.log.log(start - 1, {"event": "placement/moved", "placement/move_s": cost_s,
@@ -320,13 +321,13 @@ class Rebalancer:
         t = time.perf_counter()
         if move.layout is None or not self._move(step, move, self.saved()):
             return False
+        self.timings["checkpoint_s"] = time.perf_counter() - t - self.timings["digest_s"]
         how, to = "torchrun restarts them" if restart else "in process", move.layout
         if self.plan.rank == 0:
             print(f"moving to {side(to)} {ranks(to)} of {to.world} ({how}), from step {step + 2}", flush=True)
         if restart:
             self.exit_code = MOVE_EXIT
             return True
-        self.timings["checkpoint_s"] = time.perf_counter() - t
         t = time.perf_counter()
         if self.plan.mode == "disaggregate":
             self.engine.move(move.layout)  # the rollout ranks leave their loop for the move
@@ -364,11 +365,12 @@ class Rebalancer:
     def _move(self, step: int, move: Move, saved) -> bool:
         """The move after `step`: a checkpoint, then rank 0 writes the new layout and logs why.
         False (no move) when the checkpoint failed: the run goes on as it was."""
-        run_dir = self.args.run.run_dir
-        record = {"step": step + 1, "at": time.time(), "mode": self.plan.mode, "from": side(self.plan.layout),
+        run_dir, at = self.args.run.run_dir, time.time()
+        record = {"step": step + 1, "at": at, "mode": self.plan.mode, "from": side(self.plan.layout),
                   "to": side(move.layout), "why": move.why, "step_s": move.step_s,
                   "predicted_s": move.predicted_s, "gain_s": move.gain_s, "cost_s": self.cost_s,
                   "digest": checkpoint.digest(self.actor)}
+        self.timings["digest_s"] = time.time() - at
         done = checkpoint.save(run_dir, step + 1, self.actor, self.args.run.keep_last, self.plan.rank,
                                extra=saved[0], rank_state=saved[1])
         if done["path"] is None:
