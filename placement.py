@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from roles.rollout import RemoteEngine, agree_on_transfer
 from utils.dist import (broadcast_buckets, destroy_groups, filled, measured, outline, own_part,
                         plan_buckets, receive_buckets, slots)
+from utils import tp
 from utils.engines import NoEngine
 from utils.errors import UserError, check_rules
 from utils.logger import Timer
@@ -53,8 +54,12 @@ class PlacementArgs:
     many policy versions old (0: on-policy, the same run as colocate)"""
     sync_bucket_mb: float = 64.0
     """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
+    gen_tp: int = 1
+    """colocate: generate tensor-parallel over groups of this many ranks (utils/tp.py), the engine
+    holding 1/K of each block; training stays FSDP2 over all ranks"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
-        "sync_bucket_mb": ("placement", lambda p: p == "disaggregate", "--placement disaggregate")}
+        "sync_bucket_mb": ("placement", lambda p: p == "disaggregate", "--placement disaggregate"),
+        "gen_tp": ("placement", lambda p: p == "colocate", "--placement colocate")}
 
     def check(self, world: int, prompts_per_step: int) -> "Layout":
         """The flags' ranges, then the layout (`check`): no process group needed."""
@@ -137,23 +142,19 @@ class Plan:
     layout: Layout
     rank: int
     device: torch.device
-    # "trainer" trains (and, in colocate, also generates with its own engine); "rollout" only
-    # generates, serving its trainers (disaggregate)
+    # "trainer" trains (colocate, partial: and generates); "rollout" only generates (disaggregate)
     role: Literal["trainer", "rollout"]
-    # the trainers' 1-D mesh ("dp") that FSDP2 shards over; None on rollout ranks
-    mesh: DeviceMesh | None = None
-    # the trainers: metric reductions, loss normalisers, checkpoints
-    trainer_group: ProcessGroup | None = None
-    # disaggregate: trainer 0 + the rollout ranks, the bucketed weight broadcast
-    weight_group: ProcessGroup | None = None
+    mesh: DeviceMesh | None = None  # the trainers' 1-D mesh that FSDP2 shards over; None on rollout ranks
+    trainer_group: ProcessGroup | None = None  # the trainers: reductions, loss normalisers, checkpoints
+    weight_group: ProcessGroup | None = None  # disaggregate: trainer 0 + rollout ranks, the weights
     # disaggregate: every rank, with a week's timeout: the trainers' requests, which a rollout rank
-    # waits for through whole training steps, checkpoints and exports (a trainer that dies still
-    # fails it at once: its connections close). The replies travel on the default group.
+    # waits for through whole training steps (a trainer that dies still fails it at once: its
+    # connections close). The replies travel on the default group.
     request_group: ProcessGroup | None = None
     rollout_peer: int | None = None  # disaggregate: a trainer's rollout rank
-    # a rollout rank's trainers, in the order it serves them
-    served: list[int] = field(default_factory=list)
+    served: list[int] = field(default_factory=list)  # a rollout rank's trainers, in serving order
     timeout_s: float = 300  # --timeout-s: how long a collective waits for a rank that hangs
+    gen_group: ProcessGroup | None = None  # colocate, --gen-tp K: the K ranks that generate as one
 
     @property
     def mode(self) -> str:
@@ -171,13 +172,13 @@ class Plan:
 
 def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_step: int,
          rollout_ranks: int = 0, max_staleness: int = 0, timeout_s: float = 300,
-         sampler_ranks: int = 0) -> Plan:
+         sampler_ranks: int = 0, gen_tp: int = 1) -> Plan:
     """This rank's Plan. Checks that the layout fits the world and the batch, saying what would."""
     layout = check(mode, world, prompts_per_step, rollout_ranks, max_staleness, sampler_ranks)
     if mode in ("colocate", "partial"):
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group(),
-                    timeout_s=timeout_s)
+                    gen_group=tp.group_of(rank, world, gen_tp, timeout_s), timeout_s=timeout_s)
     return _disaggregated(layout, rank, device, timeout_s)
 
 
@@ -189,7 +190,8 @@ def replan(old: Plan, layout: Layout) -> Plan:
     if layout.mode == "partial":  # every rank trains in both: a new mesh over them all, S' samplers
         group = dist.new_group(list(range(layout.world)), timeout=timeout)
         mesh = DeviceMesh.from_group(group, old.device.type, mesh_dim_names=(dim,))
-        return Plan(layout, old.rank, old.device, "trainer", mesh, trainer_group=group, timeout_s=old.timeout_s)
+        return Plan(layout, old.rank, old.device, "trainer", mesh, trainer_group=group,
+                    timeout_s=old.timeout_s)
     return _disaggregated(layout, old.rank, old.device, old.timeout_s, dim)
 
 
@@ -289,7 +291,7 @@ def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 
     way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice; how the
     rollout ranks take their weights is agreed here too (roles/rollout.py `agree_on_transfer`)."""
     if plan.mode == "colocate":
-        return local_engine()
+        return local_engine(tp_group=plan.gen_group) if plan.gen_group else local_engine()
     if plan.mode == "partial":  # a judge rank joins its samplers' weight gathers: it takes what they take
         engine = local_engine() if plan.sampler else NoEngine()
         said = [engine.takes_adapters]

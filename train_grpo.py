@@ -6,13 +6,12 @@
 
 Every rank runs this same script and is the controller of its own share of each step's
 prompts (G-Core's parallel controllers): it generates, scores and computes its groups'
-advantages itself; no rank ever gathers the batch. Only FSDP2's collectives (weight
-all-gather, gradient reduce-scatter), the weight sync and the metric reductions are
-collective. With --placement disaggregate the rollout ranks run `roles.rollout.serve`
-instead, and each trainer talks to its own rollout rank point to point.
+advantages itself; no rank ever gathers the batch. Only FSDP2's collectives, the weight sync
+and the metric reductions are collective. With --placement disaggregate the rollout ranks run
+`roles.rollout.serve` instead, and each trainer talks to its own rollout rank point to point.
 
-Read from the step loop at the bottom: `rollouts.py` makes each step's scored samples,
-`advantages` and `loss_fn` below are GRPO, `update` runs the optimizer steps (roles/actor.py),
+Read from the step loop in `train` at the bottom: `rollouts.py` makes each step's scored
+samples, `advantages` and `loss_fn` are GRPO, `update` runs the optimizer steps (roles/actor.py),
 `placement.sync` moves the weights; features that are not the algorithm are components chosen
 before the loop (rollouts, utils/mismatch.py, rebalance.py) and run.py holds the scaffolding.
 """
@@ -37,7 +36,7 @@ from roles.teacher import DistillArgs, Teacher
 from rollouts import DynamicSamplingArgs
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
                  step_metrics)
-from utils import algos, dist, episodes, lora, memory
+from utils import algos, dist, episodes, lora, memory, tp
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
 from utils.episodes import EnvArgs
@@ -195,6 +194,7 @@ def check_args(args: Args, world: int):
     args.distill.check_model(args.data.model)
     args.judge.check(args)
     args.env.check_model(args.data.model)  # the chat template carries an episode token for token
+    tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -382,7 +382,7 @@ if __name__ == "__main__":
     rank, world, device = dist.init(args.run.timeout_s)
     plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
                           args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s,
-                          args.layout.sampler_ranks)
+                          args.layout.sampler_ranks, args.layout.gen_tp)
     torch.manual_seed(args.run.seed)
     max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
     rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them

@@ -37,7 +37,7 @@ from roles.reward_model import RewardModel
 from roles.teacher import DistillArgs, Teacher
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
                  rollout_rank, step_metrics)
-from utils import algos, dist, episodes, lora, memory
+from utils import algos, dist, episodes, lora, memory, tp
 from utils.data import Tokenizer, check_same_tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
 from utils.episodes import EnvArgs
@@ -183,6 +183,7 @@ def check_args(args: Args, world: int):
     args.reward.check(args.data)
     args.distill.check_model(args.data.model)
     args.env.check_model(args.data.model)  # the chat template carries an episode token for token
+    tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -290,7 +291,8 @@ if __name__ == "__main__":
     cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
     rank, world, device = dist.init(args.run.timeout_s)
     plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
-                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s)
+                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s,
+                          gen_tp=args.layout.gen_tp)
     torch.manual_seed(args.run.seed)
     param_dtype = getattr(torch, args.param_dtype)
     max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)

@@ -2,10 +2,11 @@
 this CPU, disaggregated, a forced move from 3 trainers + 1 rollout rank to 2 + 2 after step 2
 (--rebalance-force, the test hook; the same move a measured decision makes). Each run's
 `placement/moved` row gives the move's seconds from the decision to the first step after it, and
-for a move in process where they went, each part the slowest rank's: the checkpoint the move
-saves first (and the state's digest), telling the rollout ranks, the new groups, the state moved
-(the full weights and Adam's moments: bytes and seconds), and rebuilding the roles (the frozen
-models read again, the moved state restored, the engines built or kept and joined).
+for a move in process where they went, each part the slowest rank's: the digest of the state
+(sha256, checked again after the move, outside these seconds), the checkpoint the move saves,
+telling the rollout ranks, the new groups, the state moved (the full weights and Adam's moments:
+bytes and seconds), and rebuilding the roles (the frozen models read again, the moved state
+restored, the engines built or kept and joined).
 
     python bench/move_cost.py [--sizes tiny,100m]
 """
@@ -59,14 +60,15 @@ with tempfile.TemporaryDirectory() as tmp:
 
 print("\n4 ranks, a forced move from 3 trainers + 1 rollout rank to 2 + 2 after step 2 of 4; seconds from "
       "the decision to the next step (each part: the slowest rank's)\n")
-print("| model | move | move s | mean step s | checkpoint s | tell s | groups s | state moved s | state MiB "
-      "| roles rebuilt s |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| model | move | move s | mean step s | digest s | checkpoint s | tell s | groups s | state moved s "
+      "| state MiB | roles rebuilt s |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for size, params, restart, r in results:
-    parts = "| - | - | - | - | - | - "
+    parts = "| - | - | - | - | - | - | - "
     if not restart:
-        parts = (f"| {r['placement/move_checkpoint_s']:.2f} | {r['placement/move_agree_s']:.3f} "
+        parts = (f"| {r['placement/move_digest_s']:.2f} | {r['placement/move_checkpoint_s']:.2f} "
+                 f"| {r['placement/move_agree_s']:.3f} "
                  f"| {r['placement/move_groups_s']:.3f} | {r['placement/move_state_s']:.2f} "
                  f"| {r['placement/move_state_bytes'] / 2**20:.0f} | {r['placement/move_rebuild_s']:.2f} ")
-    print(f"| {size} ({params:.1f}M) | {'restart' if restart else 'in process'} | {r['placement/move_s']:.2f} "
-          f"| {r['step_s']:.2f} {parts}|")
+    how = "restart" if restart else "in process"
+    print(f"| {size} ({params:.1f}M) | {how} | {r['placement/move_s']:.2f} | {r['step_s']:.2f} {parts}|")

@@ -117,10 +117,13 @@ class FusedDecoder:
     (gpt-fast's trick: at small batch the step is bound by per-op overhead, so fewer and
     larger matmuls win). Same math as `Transformer.forward`; tested against transformers.
     The model's q/k/v and gate/up parameters become views of the fused tensors, so loading
-    new weights into the model updates the decoder in place (no second copy per update)."""
+    new weights into the model updates the decoder in place (no second copy per update).
+    tp_group (--gen-tp, utils/tp.py): the model holds this rank's part of each block, and the
+    partial sums of o_proj and down_proj are all-reduced over the group (Megatron's row-parallel
+    linear) before they join the residual."""
 
-    def __init__(self, model):
-        self.cfg, self.inv_freq = model.config, model.inv_freq
+    def __init__(self, model, tp_group=None):
+        self.cfg, self.inv_freq, self.tp_group = model.config, model.inv_freq, tp_group
         self.embed, self.norm, self.lm_head = (model.model.embed_tokens.weight, model.model.norm,
                                                model.lm_head.weight)
         self.layers, self.parts = [], []  # parts: per layer, (module prefix, rows) of each weight's pieces
@@ -159,11 +162,19 @@ class FusedDecoder:
             k, v = cache.update(i, qk[:, :, H:].transpose(1, 2),
                                 qkv[:, :, H + KV:].transpose(1, 2))  # [B, KV, L, D]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=KV != H)  # [B, H, S, D]
-            h = h + F.linear(o.transpose(1, 2).reshape(B, S, H * D), wo, bo)
+            o = o.transpose(1, 2).reshape(B, S, H * D)
+            h = h + (F.linear(o, wo, bo) if self.tp_group is None else self._summed(F.linear(o, wo), bo))
             gate, up = F.linear(ln2(h), wgu).split(I, -1)  # [B, S, I] each
-            h = h + F.linear(F.silu(gate) * up, wd)
+            h = h + (F.linear(F.silu(gate) * up, wd) if self.tp_group is None
+                     else self._summed(F.linear(F.silu(gate) * up, wd)))
         cache.pos += S
         return F.linear(self.norm(h[:, -1]), self.lm_head).float()  # [B, V]
+
+    def _summed(self, partial, bias=None):
+        """--gen-tp: a row-parallel projection's partial sums [..., h] added over the group, then
+        its bias (whole on every rank: utils/tp.py `part`)."""
+        torch.distributed.all_reduce(partial, group=self.tp_group)
+        return partial if bias is None else partial + bias
 
     def rope(self, positions):
         """positions [...] -> cos, sin [..., 1, D] in the weights' dtype, the first half of sin
@@ -239,8 +250,12 @@ class FusedDecoder:
             else:  # bf16 (GPU): SDPA keeps the scores in fp32, as the trainer's attention does
                 o = F.scaled_dot_product_attention(qk[:, :H, None], k, v, attn_mask=mask,
                                                    enable_gqa=KV != H).view(B, H * D)  # [B, H*D]
-            h = _linear(o, wo, bo, add=h)
-            h = _linear(_swiglu(_rms(h, ln2, eps), wgu), wd, add=h)
+            if self.tp_group is None:
+                h = _linear(o, wo, bo, add=h)
+                h = _linear(_swiglu(_rms(h, ln2, eps), wgu), wd, add=h)
+            else:
+                h = h + self._summed(_linear(o, wo), bo)
+                h = h + self._summed(_linear(_swiglu(_rms(h, ln2, eps), wgu), wd))
         cache.pos += 1
         norm, head = self.step_head
         return _linear(_rms(h, norm, eps), head).float()  # [B, V]

@@ -118,8 +118,10 @@ class NativeEngine(Engine):
     takes_adapters = True  # LoRA: after one load of the base, adapters alone (`load_adapters`)
     has_base = False  # set by placement.sync once the base is loaded
 
-    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32, tp_group=None):
+        """tp_group (--gen-tp): cfg is this rank's part of the model (utils/tp.py), the group its own."""
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
+        self.tp_group = tp_group
         self.model = self.decoder = self.lora = None
         self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
         self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
@@ -128,7 +130,7 @@ class NativeEngine(Engine):
         """Replace the weights from (hf_name, tensor) pairs (a full set; with LoRA, the base)."""
         if self.model is None:
             self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
-            self.decoder = FusedDecoder(self.model)  # shares the model's storage: loading updates both
+            self.decoder = FusedDecoder(self.model, self.tp_group)  # shares the model's storage
         self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
         self.lora = None
         load_state(self.model, weights)
@@ -470,13 +472,19 @@ def engine_kind(kind: str, device) -> str:
 
 
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
-                seed=0, own_process=False, lora_rank: int = 0, max_images: int = 1):
+                seed=0, own_process=False, lora_rank: int = 0, max_images: int = 1, tp_group=None):
     """The engine --engine names (`engine_kind`). lora_rank: a vLLM engine serving LoRA adapters of
     this rank (--lora-vllm adapters); max_images: the most images in one of the run's prompts (vLLM
-    reserves room for them; a Qwen2-VL checkpoint only)."""
+    reserves room for them; a Qwen2-VL checkpoint only); tp_group: --gen-tp's group of this rank, a
+    native engine over this rank's part of the model (utils/tp.py)."""
     if engine_kind(kind, device) == "vllm":
         return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
                           lora_rank=lora_rank, max_images=max_images)
+    if tp_group is not None:
+        from utils import tp
+
+        k = torch.distributed.get_world_size(tp_group)
+        return tp.TPEngine(NativeEngine(tp.config(cfg, k), tokenizer, device, dtype, tp_group), tp_group)
     return NativeEngine(cfg, tokenizer, device, dtype)
 
 
