@@ -240,7 +240,7 @@ class Evaluator:
         seeds = [prompt_seed(self.seed, -1, plan.rank + i * ranks) for i in range(len(mine))]
         with timer("eval"):
             out = Samples.empty()
-            if mine:
+            if mine or getattr(engine, "collective", False):  # --gen-tp: the group generates together
                 out = engine.generate([r["ids"] for r in mine], self.params, seeds)
             columns = {"answer": [r["answer"] for r in mine], "finish_reason": out.finish_reasons}
             correct = self.accuracy.score([r["prompt"] for r in mine], out.texts, columns)[0]

@@ -1,5 +1,5 @@
 """Many nodes on one machine: two torchrun launchers joined by torchrun's c10d rendezvous, as
-two nodes of a cluster would be (README: Many nodes). The rendezvous store is hosted here,
+two nodes of a cluster would be (docs/scale.md: Many nodes). The rendezvous store is hosted here,
 bound to port 0 by the kernel (no port is picked ahead of binding), and both launchers join
 it as clients (`is_host=false`); torchrun's node 0 then hosts the workers' own store."""
 import os
