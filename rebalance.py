@@ -220,11 +220,12 @@ class Arrival:
     run_dir: str
     moves: dict
     since: float
-    carried: dict | None = None
+    carried: dict | None = None  # run.Run takes it (and drops it here: no copy outlives the restore)
     timings: dict = field(default_factory=dict)
     left: float = 0.0
     log: object = None
     engine: object = None
+    in_process: bool = False  # this layout began with a move in process
 
 
 def arrive(args, launched: float) -> Arrival:
@@ -254,7 +255,7 @@ def move(old, layout: Layout, state: dict | None, bucket_bytes: int, arrival: Ar
     carried, stats = placement.reshard(old, new, state, bucket_bytes)
     moved = moves(arrival.run_dir)
     return new, Arrival(arrival.run_dir, moved, moved["moves"][-1]["at"], carried, {**timings, **stats},
-                        time.time(), arrival.log)
+                        time.time(), arrival.log, in_process=True)
 
 
 class Rebalancer:
@@ -286,14 +287,14 @@ class Rebalancer:
                                    f"(its digest differs): a bug; "
                                    f"{checkpoint.last_complete(self.args.run.run_dir)}")
             timings = {}
-            if arrival.carried is not None:  # in process: where the seconds went (the slowest rank's)
+            if arrival.in_process:  # where the seconds went (the slowest rank's)
                 timings = {k: arrival.timings.get(k, 0.0) for k in MOVE_PARTS}  # a joiner had no checkpoint
                 timings["rebuild_s"] = rebuild_s
                 timings = dist.reduce(timings, op=MAX, group=group)
             if self.plan.rank == 0:
                 self.log.log(start - 1, {"event": "placement/moved", "placement/move_s": cost_s,
                                          "placement/move_state_equal": 1.0,
-                                         "placement/move_in_process": float(arrival.carried is not None),
+                                         "placement/move_in_process": float(arrival.in_process),
                                          **{f"placement/move_{k}": v for k, v in timings.items()},
                                          f"placement/{ranks(self.plan.layout).replace(' ', '_')}":
                                              side(self.plan.layout)})

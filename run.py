@@ -374,6 +374,7 @@ class Run:
         self.reward = reward
         if arrival is not None and arrival.carried is not None:
             self.resumed = checkpoint.restore(actor, arrival.carried)
+            arrival.carried = None  # the moved weights are in the model now: no second copy kept
         else:
             self.resumed = checkpoint.resume(self.cfg.run_dir, self.cfg.resume, actor, plan.rank, critic)
         self.start = self.resumed["step"]  # steps already done
@@ -439,7 +440,9 @@ class Run:
                 self.log.log(steps - 1, {"final": True, **metrics})
         if cfg.save_final and done:
             checkpoint.export_hf(self.actor, os.path.join(cfg.run_dir, "final"), rank, self.args.data.model)
-        if exit_code is None:
+        if exit_code is None:  # the handlers hold this Run (its actor): the next layout's Run sets its own
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             return
         if rank == 0:
             if not moved:

@@ -2,13 +2,11 @@
 
 disaggregate: ranks that only generate. A trainer reaches its rollout rank through
 `RemoteEngine`, which has the same methods as a local engine (utils/engines.py), and the
-rollout rank runs `serve`. They speak in the three messages below, pickled over point-to-point
+rollout rank runs `serve`. They speak in the four messages below, pickled over point-to-point
 sends (utils/dist.py); the weights themselves never travel as messages but as a bucketed
 broadcast from trainer 0: over the weight group into a native engine, or through vLLM's
 weight-transfer layer straight into a vLLM engine's worker (utils/vllm_transfer.py).
-
-`agree_on_transfer` settles, once, how the rollout ranks take weights. (partial placement's
-sampler and judge halves are rollouts.py's `Streamed`.)
+`agree_on_transfer` settles, once a layout, how the rollout ranks take weights.
 """
 import signal
 import sys
@@ -49,8 +47,8 @@ class Stop:
 
 @dataclass
 class Move:
-    """--rebalance, in process: the ranks move to `layout` (rebalance.py); the loop returns this."""
-    layout: object  # placement.Layout
+    """--rebalance, in process: the ranks move to `layout` (a placement.Layout); `serve` returns it."""
+    layout: object
     bucket_bytes: int
 
 
@@ -196,7 +194,8 @@ def serve(plan, engine):
         first and then send Stop); Move: leaves it too, returning the Move (else None).
     Produces: samples tagged with the policy version that made them, and its running seconds
       busy / sync / idle, which the trainers turn into placement metrics."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches every rank: the trainers stop this one
+        signal.signal(sig, signal.SIG_IGN)
     stats = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0}
     sent = []  # send handles of replies not yet known to have arrived
     bufs = {}  # bucket buffers, kept across syncs

@@ -98,8 +98,8 @@ def test_a_sampler_judge_move_in_process_keeps_the_run(tmp_path):
              "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1", *JUDGE, *PARTIAL]
     still, moved = str(tmp_path / "still"), str(tmp_path / "moved")
     torchrun(3, "train_grpo.py", *flags, "--run-dir", still)
-    out = torchrun(3, "train_grpo.py", *flags, "--rebalance", "--rebalance-window", "1", "--rebalance-gap", "1",
-                   "--rebalance-force", "2", "2", "--run-dir", moved).stdout
+    forced = ["--rebalance", "--rebalance-window", "1", "--rebalance-gap", "1", "--rebalance-force", "2", "2"]
+    out = torchrun(3, "train_grpo.py", *flags, *forced, "--run-dir", moved).stdout
     assert "1 -> 2 sampler ranks: forced" in out and "(in process)" in out, out[-3000:]
     rows = metrics(moved)
     events = [r for r in rows if r.get("event") == "placement/moved"]

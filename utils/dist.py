@@ -385,23 +385,35 @@ class Slot:
     placements: tuple | None
 
 
-def outline(value, tensors: list):
+def outline(value, tensors: list, seen: dict | None = None):
     """A nested dict with each tensor replaced by its Slot, the tensors appended to `tensors` in
-    walk order; everything else (numbers, lists, strings) stays: it pickles, the tensors do not."""
+    walk order (one that appears twice, a tied head, once); everything else (numbers, lists,
+    strings) stays: it pickles, the tensors do not."""
+    seen = {} if seen is None else seen
     if isinstance(value, dict):
-        return {k: outline(v, tensors) for k, v in value.items()}
+        return {k: outline(v, tensors, seen) for k, v in value.items()}
     if not isinstance(value, torch.Tensor):
         return value
-    tensors.append(value)
-    placements = tuple(value.placements) if isinstance(value, DTensor) else None
-    return Slot(len(tensors) - 1, tuple(value.shape), value.dtype, placements)
+    if id(value) not in seen:
+        tensors.append(value)
+        placements = tuple(value.placements) if isinstance(value, DTensor) else None
+        seen[id(value)] = Slot(len(tensors) - 1, tuple(value.shape), value.dtype, placements)
+    return seen[id(value)]
 
 
 def slots(shape) -> list[Slot]:
-    """An outline's Slots, in stream order."""
-    if isinstance(shape, dict):
-        return [s for v in shape.values() for s in slots(v)]
-    return [shape] if isinstance(shape, Slot) else []
+    """An outline's Slots, in stream order, each once."""
+    found = {}
+
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, Slot):
+            found.setdefault(node.index, node)
+
+    walk(shape)
+    return [found[i] for i in sorted(found)]
 
 
 def filled(shape, tensors: dict):

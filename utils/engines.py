@@ -204,6 +204,8 @@ class NativeEngine(Engine):
         lengths = torch.full((N,), T, dtype=torch.long, device=dev)
         for t in range(T):
             tok, lp = sample_tokens(logits, params, u[:, t])
+            if self.tp_group is not None:  # --gen-tp: the group's first rank's tokens, so that the
+                torch.distributed.broadcast(tok, group=self.tp_group, group_src=0)  # ranks stay in step
             out_tok[:, t], out_lp[:, t] = tok, lp
             finished = ~done & torch.isin(tok, self.eos)
             if params.stop:
