@@ -11,13 +11,13 @@ the dynamic run (--rebalance, starting from 2 + 2, moving in process) and the sa
 
 --placement partial: G-Core's partial colocation with the tiny generative judge (assets/judge-tiny,
 --judge-samples verdicts per completion) on the built-in task: each static sampler/judge split
-S + G = 4 and the dynamic run from S = 1 (--rebalance, S:G moves in process).
+S + G = 4 and the dynamic run from S = --start (--rebalance, S:G moves in process).
 
 Prints each run's total time (start-up and moves included), mean step time, idle share
 (placement/idle_share: the share of all ranks' time in which a device had nothing to do, weighted
 by step time) and its moves.
 
-    python bench/rebalance.py [--steps 100] [--placement partial --steps 40]
+    python bench/rebalance.py [--steps 100] [--placement partial --steps 60 --gap 10]
 """
 import argparse
 import json
@@ -38,6 +38,7 @@ ap.add_argument("--max-new-tokens", type=int, default=160)
 ap.add_argument("--gap", type=int, default=50, help="--rebalance-gap: the horizon a move must pay back in")
 ap.add_argument("--placement", choices=["disaggregate", "partial"], default="disaggregate")
 ap.add_argument("--judge-samples", type=int, default=4, help="partial: verdicts per completion")
+ap.add_argument("--start", type=int, default=3, help="partial: the dynamic run's first S (the judges: 4 - S)")
 a = ap.parse_args()
 DYNAMIC = ["--rebalance", "--rebalance-window", "5", "--rebalance-gap", str(a.gap)]
 RUNS = [("static 3 + 1", ["--rollout-ranks", "1"]), ("static 2 + 2", ["--rollout-ranks", "2"]),
@@ -47,7 +48,7 @@ WORKLOAD = ["--model", "MODEL", "--max-new-tokens", str(a.max_new_tokens), "--lr
             "--rewards", "bench.common:slowing_reward", "--placement", "disaggregate", "--max-staleness", "1"]
 if a.placement == "partial":
     RUNS = [(f"static S={s} G={4 - s}", ["--sampler-ranks", str(s)]) for s in (1, 2, 3)]
-    RUNS.append(("dynamic from S=1 G=3", ["--sampler-ranks", "1", *DYNAMIC]))
+    RUNS.append((f"dynamic from S={a.start} G={4 - a.start}", ["--sampler-ranks", str(a.start), *DYNAMIC]))
     WORKLOAD = ["--rewards", "accuracy", "judge", "--reward-weights", "1", "0.5", "--judge-model",
                 "assets/judge-tiny", "--judge-samples", str(a.judge_samples), "--placement", "partial"]
 

@@ -2,7 +2,6 @@
 training stays FSDP2 over all of them. The pair's engine gives the whole engine's tokens and
 log-probs (to float rounding: the row-parallel sums add the same products in another order), a
 run with it is the run without it, and what it does not fit is refused with what would."""
-import importlib.util
 import os
 import sys
 
@@ -69,10 +68,3 @@ def test_what_gen_tp_does_not_fit_is_refused():
     said = refused("--gen-tp", "2", "--placement", "disaggregate", "--rollout-ranks", "1", world=3)
     assert "--gen-tp 2: it only applies to --placement colocate" in said
     assert "--gen-tp 2 with LoRA: the adapters are not split" in refused("--gen-tp", "2", "--lora-rank", "4")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="--engine vllm is refused first "
-                    "when vLLM is not installed (tests/test_errors.py)")
-def test_gen_tp_refuses_vllm():
-    said = refused("--gen-tp", "2", "--engine", "vllm")
-    assert "--gen-tp 2 with --engine vllm: the native engine's blocks are split; add --engine native" in said

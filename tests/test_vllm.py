@@ -154,7 +154,6 @@ def test_asking_for_vllm_without_it_says_how_to_install():
 
 
 @needs_vllm
-@pytest.mark.xdist_group("vllm_gen_tp")
 def test_vllm_gen_tp_pairs_generate_what_one_engine_does(tmp_path):
     """--gen-tp 2 with --engine vllm (colocate): the pair's vLLM TP workers run inside the two
     torchrun ranks (vLLM's external_launcher executor, gloo and its shared-memory all-reduce on
