@@ -171,3 +171,18 @@ def test_vllm_gen_tp_pairs_generate_what_one_engine_does(tmp_path):
         assert len(a["lengths"]) == rows and torch.equal(a["lengths"], b["lengths"]), rank
         assert torch.equal(a["tokens"], b["tokens"]), (rank, a["tokens"], b["tokens"])
         assert (a["logprobs"] - b["logprobs"]).abs().max() < 1e-5, rank
+
+
+@needs_vllm
+def test_a_grpo_run_with_vllm_gen_tp_trains_and_leaves_no_shared_memory(tmp_path):
+    """The whole run with --engine vllm --gen-tp 2: the sync's full weights reach the pair's TP
+    workers, it trains and finishes; the ranks leave by os._exit, which skips vLLM's destructors,
+    yet no /dev/shm segment of its CPU all-reduce is left behind (one left makes the next run's
+    engine fail: errno 17)."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/*cpushm*"))
+    out = torchrun(2, "train_grpo.py", *TINY, "--engine", "vllm", "--gen-tp", "2", "--run-dir",
+                   str(tmp_path / "run"), timeout=400).stdout
+    assert "summary |" in out and len(metrics(str(tmp_path / "run"))) >= 3, out[-2000:]
+    assert set(glob.glob("/dev/shm/*cpushm*")) <= before

@@ -314,6 +314,7 @@ class VLLMEngine(Engine):
         if self.backend == "inproc":
             self.llm.init_weight_transfer_engine({"init_info": {}})
         self.asleep = False
+        self.shm = _tp_shm(tp, self.gpu)
 
     def join_transfer(self, info: dict):
         """Own process: join trainer 0's broadcast group (blocks until every member has joined)."""
@@ -423,6 +424,22 @@ class VLLMEngine(Engine):
         if self.lora_dirs:
             shutil.rmtree(self.lora_dirs[-1], ignore_errors=True)
         self.llm.llm_engine.engine_core.shutdown()
+        if self.shm and os.path.exists(self.shm):
+            os.unlink(self.shm)
+
+
+def _tp_shm(tp: int, gpu: bool) -> str | None:
+    """vLLM's CPU tensor-parallel all-reduce keeps this rank's buffer in a /dev/shm segment named
+    without a job id (`{group}-cpushm_{rank}`); its destructor would remove it at a normal exit,
+    but the ranks leave by os._exit (utils.dist.exit_now), and a segment left behind makes the next
+    run's engine fail (errno 17, file exists): its path, for `close` to remove (None: none)."""
+    if tp == 1 or gpu:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+    return f"/dev/shm/{name}_{group.rank_in_group}" if name else None
 
 
 def _stop_with_children(signum, frame):

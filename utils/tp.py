@@ -9,7 +9,9 @@ embedding, the norms and the head stay whole on every rank, so each rank compute
 logits and samples the same tokens. Each sync gathers the full weights block by block from the
 FSDP2 shards, as colocate always does (placement.sync), and each rank keeps its part (`part`):
 the engine holds 1/K of the blocks' weights and of the KV cache's heads. The K ranks of a group
-generate their prompts together, in lockstep (`TPEngine`).
+generate their prompts together, in lockstep (`TPEngine`). With --engine vllm the group is vLLM's
+own tensor-parallel workers in the same ranks (its external_launcher executor): they take the
+full weights and shard them by vLLM's loader (utils/engines.py `make_engine`).
 """
 import dataclasses
 import datetime
