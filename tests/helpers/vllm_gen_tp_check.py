@@ -20,7 +20,8 @@ prompts = [tok.encode(p) for p in (["12+7=", "3+45=", "8+8="] if rank == 0 else 
 engine = make_engine("vllm", model_dir, cfg, tok, device, torch.float32, 64,
                      tp_group=tp.group_of(rank, world, k, 120))
 engine.load_weights(iter_checkpoint(model_dir))
-got = engine.generate(prompts, SamplingParams(1, 0.0, 1.0, 0, 8), [rank * 10 + i for i in range(len(prompts))])
+seeds = [rank * 10 + i for i in range(len(prompts))]
+got = engine.generate(prompts, SamplingParams(1, 0.0, 1.0, 0, 8), seeds)
 torch.save({"tokens": got.tokens, "logprobs": got.logprobs, "lengths": got.lengths},
            os.path.join(out, f"rank{rank}.pt"))
 engine.close()
