@@ -209,7 +209,7 @@ def test_a_rank_that_dies_during_a_move_fails_the_job_and_the_checkpoint_resumes
     the signal. The move's checkpoint and layout are intact: a new launch with --resume auto goes on
     from them, in the new layout."""
     run, log = str(tmp_path / "run"), str(tmp_path / "out.log")
-    p = launch([*MOVE_RUN, *FORCED], run, log=log, env={"RL_TEST_MOVE_PAUSE_S": "60"})
+    p = launch([*MOVE_RUN, *FORCED], run, log=log, env={"RL_TEST_MOVE_PAUSE_S": "20"})
     deadline = time.monotonic() + 240
     while "(in process)" not in open(log).read():  # every rank is now in the move, waiting
         assert time.monotonic() < deadline and p.poll() is None, open(log).read()[-3000:]
