@@ -114,6 +114,28 @@ def test_token_logprobs_match_a_loop():
             assert got[b, t].item() == pytest.approx(z[tokens[b, t]] - lse, rel=1e-5)
 
 
+def test_head_logprobs_in_chunks_are_the_whole_batchs_with_their_gradients():
+    """The chunked head (rows of 2 under a tiny budget) against lm_head then token_logprobs on the
+    whole batch: the same log-probs and gradients of h and of the head's weight. Both take the
+    log-softmax in fp32 (logits are cast, as the trainer's are), so they agree to fp32's rounding
+    of values of order 1: within 1e-5 (the weight's gradient sums over chunks in another order)."""
+    torch.manual_seed(0)
+    h = torch.randn(5, 4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    tokens, g = torch.randint(0, 11, (5, 4)), torch.randn(5, 4, dtype=torch.float64)
+    whole = algos.token_logprobs(torch.nn.functional.linear(h, w), tokens, temperature=0.7)  # [5, 4]
+    whole_grads = torch.autograd.grad((whole * g).sum(), (h, w))
+    budget = 2 * 4 * 11 * 4  # two rows of fp32 logits
+    chunked = algos.head_logprobs(h, w, tokens, temperature=0.7, budget=budget)
+    chunked_grads = torch.autograd.grad((chunked * g).sum(), (h, w))
+    assert chunked.dtype == torch.float32 and whole.dtype == torch.float32
+    assert torch.allclose(chunked, whole, atol=1e-6)
+    for a, b in zip(chunked_grads, whole_grads):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), (a - b).abs().max()
+    # one chunk (the budget holds the batch): the very ops of the whole batch, the same bits
+    assert torch.equal(algos.head_logprobs(h, w, tokens, temperature=0.7), whole)
+
+
 def test_the_learning_rate_warms_up_then_decays_linearly_to_zero():
     from roles.actor import lr_factor
 

@@ -192,3 +192,38 @@ def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path, monkeypatch):
     assert os.path.samefile(path, snapshot)
     assert read_config(path).architecture == "Qwen2ForCausalLM"
     assert local_dir("assets/arith-tiny") == "assets/arith-tiny"
+
+
+def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch):
+    """utils.model.completion_logprobs through the model: with a logits budget of two rows the head
+    runs in chunks (utils.algos.head_logprobs), and the log-probs and every parameter's gradient
+    (tied head and embeddings included) agree with the one-chunk run to fp32 rounding."""
+    from utils import algos
+    from utils.data import make_batch
+    from utils.model import completion_logprobs
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    model = build(cfg)
+    model.init_weights(seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 5, 4, 2, 5)]
+    tokens = torch.randint(1, 64, (5, 6), generator=g)
+    batch = make_batch(prompts, tokens, torch.tensor([6, 2, 4, 6, 1]), 0)
+
+    def run():
+        model.zero_grad()
+        logp = completion_logprobs(model, batch, 0.8)  # [5, 6]
+        (logp * batch["loss_mask"]).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    chunks = []
+    apply = algos._HeadLogprobs.apply
+    monkeypatch.setattr(algos._HeadLogprobs, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
+    whole, whole_grads = run()
+    monkeypatch.setattr(algos, "LOGITS_BUDGET", 2 * 6 * 64 * 4)  # two rows of fp32 logits
+    chunked, chunked_grads = run()
+    assert chunks == [2]  # the second run only, in chunks of two rows
+    assert torch.allclose(chunked, whole, atol=1e-5)
+    for name, grad in whole_grads.items():
+        assert torch.allclose(chunked_grads[name], grad, atol=1e-5 * max(1.0, grad.abs().max().item())), name

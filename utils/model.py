@@ -386,11 +386,14 @@ class Transformer(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         self.init_buffers()
 
-    def forward(self, tokens, positions=None, mask=None, cache: KVCache | None = None, logits_from: int = 0):
+    def forward(self, tokens, positions=None, mask=None, cache: KVCache | None = None, logits_from: int = 0,
+                targets=None, temperature: float = 1.0):
         """tokens [B, S]; positions [B, S] (default 0..S-1 after the cache); mask: bool [B, 1, S, L]
         (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32
-        (a score model: scores [B, S - logits_from, num_labels])."""
-        return self.run(self.model.embed_tokens(tokens), positions, mask, cache, logits_from)
+        (a score model: scores [B, S - logits_from, num_labels]); with targets [B, T], the log-probs
+        [B, T] of those tokens under softmax(logits / temperature) (`run`)."""
+        h = self.model.embed_tokens(tokens)  # [B, S, hidden]
+        return self.run(h, positions, mask, cache, logits_from, targets, temperature)
 
     def rope(self, positions, dtype):
         """positions [B, S] -> cos, sin [B, 1, S, D] in `dtype`."""
@@ -398,8 +401,11 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def run(self, h, positions, mask, cache: KVCache | None, logits_from: int):
-        """The decoder over input embeddings h [B, S, hidden] (forward's tokens, embedded)."""
+    def run(self, h, positions, mask, cache: KVCache | None, logits_from: int, targets=None,
+            temperature: float = 1.0):
+        """The decoder over input embeddings h [B, S, hidden] (forward's tokens, embedded); with
+        targets [B, T] (T <= S - logits_from), their log-probs [B, T] instead of logits (algos.head_logprobs:
+        never the whole batch's logits at once)."""
         B, S, _ = h.shape
         start = cache.pos if cache is not None else 0
         if positions is None:
@@ -412,6 +418,10 @@ class Transformer(nn.Module):
         h = self.model.norm(h[:, logits_from:])
         if self.config.scores:
             return self.score(h).float()  # [B, S', num_labels]
+        if targets is not None:
+            from utils.algos import head_logprobs
+
+            return head_logprobs(h[:, :targets.shape[1]], self.lm_head.weight, targets, temperature)  # [B, T]
         return self.lm_head(h).float()  # [B, S', V]
 
 
@@ -429,12 +439,11 @@ def attention_mask(valid, query_len: int | None = None):
 
 def completion_logprobs(model, batch, temperature: float):
     """log pi(token) of each completion token of a packed batch (utils.data.make_batch) ->
-    [N, T]. Logits are made for completion positions only (the prompt's are never needed)."""
-    from utils.algos import token_logprobs
-
+    [N, T]. Logits are made for completion positions only (the prompt's are never needed), and
+    never for the whole batch at once (utils.algos.head_logprobs)."""
     P = batch["prompt_len"]
-    logits = model(batch["input_ids"], **batch_inputs(model, batch), logits_from=P - 1)
-    return token_logprobs(logits[:, :-1], batch["input_ids"][:, P:], temperature)  # [N, T]
+    return model(batch["input_ids"], **batch_inputs(model, batch), logits_from=P - 1,
+                 targets=batch["input_ids"][:, P:], temperature=temperature)  # [N, T]
 
 
 def batch_inputs(model, batch) -> dict:

@@ -383,21 +383,23 @@ class VLTransformer(Transformer):
         return mrope_cos_sin(positions, self.inv_freq, self.config.mrope_section, dtype)
 
     def forward(self, tokens, positions=None, mask=None, cache=None, logits_from: int = 0, pixels=None,
-                grids=None, prompt_len: int | None = None, feature_rows=None):
+                grids=None, prompt_len: int | None = None, feature_rows=None, targets=None,
+                temperature: float = 1.0):
         """Transformer.forward, with pixels [N, 1176] and grids [n, 3] of the batch's images (row 0's
         first), whose tower outputs replace the image-pad tokens' embeddings in order. positions
         [3, B, S] (rope_index; [B, S] = text), default: 1-D from the cache's fill level (right for
         text only; after a prefill with images, decode at deltas + step). Pass pixels of shape
         [0, 1176] for a batch without images where ranks must run the same modules (FSDP).
         prompt_len: image pads from this column on are text (a sampled one); feature_rows [M]: the
-        row of the tower's output each image-pad takes (when images repeat: utils.vl_model.images_of)."""
+        row of the tower's output each image-pad takes (when images repeat: utils.vl_model.images_of);
+        targets, temperature: as Transformer.forward."""
         h = self.model.embed_tokens(tokens)  # [B, S, h]
         if pixels is not None:
             features = self.visual(pixels, grids)  # [M', h]
             if feature_rows is not None:  # images shared by several rows ran once
                 features = features[feature_rows]  # [M, h]
             h = splice_images(h, image_pads(tokens, self.config, prompt_len), features)
-        return self.run(h, positions, mask, cache, logits_from)
+        return self.run(h, positions, mask, cache, logits_from, targets, temperature)
 
 
 def image_pads(tokens, cfg: ModelConfig, prompt_len: int | None = None):
