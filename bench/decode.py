@@ -1,6 +1,7 @@
 """Native engine decode tokens/s against transformers' `generate`, same checkpoint, same batch.
 
     python bench/decode.py                      # 2.6M-param Qwen2, batch 64, 64 new tokens
+    python bench/decode.py --hidden 512 --layers 8   # 19M params
     python bench/decode.py --model DIR          # any local HF checkpoint
 
 Runs alternate (ours, HF, ours, HF, ...) and report medians, since these machines are
@@ -23,6 +24,8 @@ from utils.model import flops_per_token, iter_checkpoint, read_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=None)
+ap.add_argument("--hidden", type=int, default=256, help="the random model's size, without --model")
+ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--prompts", type=int, default=8)
 ap.add_argument("--n", type=int, default=8, help="samples per prompt (batch = prompts * n)")
 ap.add_argument("--prompt-len", type=int, default=12)
@@ -34,7 +37,7 @@ import transformers  # noqa: E402
 
 path = args.model or tempfile.mkdtemp()
 if args.model is None:
-    hf = qwen2_checkpoint(path)
+    hf = qwen2_checkpoint(path, hidden=args.hidden, layers=args.layers)
 else:
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 cfg = read_config(path)
@@ -67,7 +70,7 @@ def matmuls_alone():
     h, I = cfg.hidden_size, cfg.intermediate_size
     x, xi = torch.randn(B, h), torch.randn(B, I)
     for _ in range(T - 1):
-        for _, wqkv, bqkv, wo, bo, _, wgu, wd in eng.decoder.step_layers:
+        for _, wqkv, bqkv, wo, bo, _, wgu, wd, _ in eng.decoder.step_layers:
             _linear(x, wqkv, bqkv), _linear(x, wo, bo, add=x), _linear(x, wgu), _linear(xi, wd, add=x)
         _linear(x, eng.decoder.step_head[1])
 
