@@ -4,7 +4,8 @@ memory against the memory plan; the same steps with --compile (issue 20); then, 
 installed (issue 18), colocate GRPO steps on a vLLM engine (sleep during training, wake for the
 update through the inproc weight transfer): the log-prob gap in bf16, the update seconds, and
 the device memory in use with the engine awake and asleep; vLLM's nccl backend (disaggregate)
-when there are two GPUs. Meant for one call on a lent H200, well under 8 minutes:
+when there are two GPUs; and (issue 34) the GRPO step at bench/grpo_vs_trl.py's three model
+sizes, native and vLLM engines, with its generate and train seconds. Meant for one call on a lent H200, well under 8 minutes:
 
     python bench/gpu_check.py                 # on the GPU machine
     python bench/gpu_check.py --cpu-smoke     # the same code path, tiny shape, on CPU (CI-sized)
@@ -28,7 +29,8 @@ sys.path.insert(0, ROOT)
 from utils.engines import NativeEngine, SamplingParams  # noqa: E402
 from utils.memory import trainer_gib  # noqa: E402
 from utils.data import Tokenizer  # noqa: E402
-from utils.model import ModelConfig, build, flops_per_token, iter_checkpoint, save_model  # noqa: E402
+from utils.model import (ModelConfig, build, flops_per_token, iter_checkpoint, read_config,  # noqa: E402
+                         save_model)
 from utils.tiny import make_tokenizer  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -36,6 +38,8 @@ ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--steps", type=int, default=6)
 ap.add_argument("--peak-tflops", type=float, default=790.0)
 ap.add_argument("--vllm-memory", default=None, help="internal: a vLLM engine's memory on this checkpoint")
+ap.add_argument("--sizes", nargs="+", default=["256x4", "512x8", "1024x8"],
+                help="HIDDENxLAYERS: bench/grpo_vs_trl.py's model sizes, timed here too (native and vLLM)")
 args = ap.parse_args()
 
 
@@ -157,9 +161,52 @@ print(f"| {'--compile: first train s (eager)':<34} | {first:>12} |")
 print(f"| {'--compile: train step s (median)':<34} | {ctrain_s:12.3f} |")
 
 
-# vLLM (issue 18): colocate GRPO steps on a vLLM engine, its memory awake and asleep, and nccl when it can
+def bench_size(size: str, engine: str) -> dict:
+    """bench/grpo_vs_trl.py's step at one of its sizes (a random Qwen2 of HIDDENxLAYERS, vocabulary
+    1024, tied head; 8 prompts x 8 samples x 64 new tokens, every group scored by a parity reward
+    so that every row trains) in bf16 on one GPU: medians of the steps after the first."""
+    hidden, layers = map(int, size.split("x"))
+    spath = os.path.join(path, f"size-{size}")
+    if not os.path.exists(os.path.join(spath, "config.json")):
+        seos = make_tokenizer(spath, vocab_size=1024)
+        scfg = ModelConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=hidden // 4, tie_word_embeddings=True, eos_token_id=seos)
+        m = build(scfg, device)
+        m.init_weights(seed=0)
+        save_model(m, scfg, spath, dtype=torch.bfloat16)
+        del m
+    srun = os.path.join(spath, f"run-{engine}")
+    scmd = [*cmd[:cmd.index("--model")], "--model", spath, "--param-dtype", "bfloat16", "--engine", engine,
+            "--steps", str(args.steps), "--prompts-per-step", "8", "--num-generations", "8",
+            "--max-new-tokens", "64", "--eval-every", "0", "--save-every", "0", "--no-save-final",
+            "--lr", "1e-5", "--rewards", "bench.common:parity_reward", "--run-dir", srun]
+    p = subprocess.run(scmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    if p.returncode:
+        sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
+    rows = [r for r in map(json.loads, open(os.path.join(srun, "metrics.jsonl"))) if not r.get("final")][1:]
+    med = lambda key: sorted(r[key] for r in rows)[len(rows) // 2]  # noqa: E731
+    return {"params": read_config(spath).num_params(), "step": med("perf/step_s"),
+            "gen": med("perf/generate_s"), "train": med("perf/train_s"),
+            "mem": max(r["perf/peak_mem_gib"] for r in rows)}
+
+
 import importlib.util  # noqa: E402
 
+engines = ["native"] + (["vllm"] if importlib.util.find_spec("vllm") is not None else [])
+print(f"\nbench/grpo_vs_trl.py's sizes, one {'GPU' if gpu else 'CPU'}, bf16 (8 x 8 x 64; medians)")
+print(f"| {'model':<16} | {'engine':<6} | {'s/step':>7} | {'generate s':>10} | {'train s':>7} "
+      f"| {'peak GiB':>8} |")
+print(f"|{'-' * 18}|{'-' * 8}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 10}|")
+for size in args.sizes if gpu else args.sizes[:1]:  # the smoke run: the smallest, to keep it short
+    for engine in engines:
+        r = bench_size(size, engine)
+        model = f"{r['params'] / 1e6:.1f}M ({size})"
+        print(f"| {model:<16} | {engine:<6} | {r['step']:7.3f} | {r['gen']:10.3f} "
+              f"| {r['train']:7.3f} | {r['mem']:8.2f} |", flush=True)
+
+
+# vLLM (issue 18): colocate GRPO steps on a vLLM engine, its memory awake and asleep, and nccl when it can
 if importlib.util.find_spec("vllm") is None:
     print("\nvLLM: not installed here, skipped (pip install -r requirements-vllm-gpu.txt)")
     sys.exit(0)
