@@ -17,7 +17,8 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
   h); q three times (projection, rotated half, after RoPE) and the attention output twice (5 q);
   k three times and v once (4 kv); the MLP's gate, its SiLU, up and their product (4 i):
   measured on CPU within 10% of what autograd keeps; LoRA's x A^T adds r per linear, left out),
-  and the logits [tokens, V] in fp32 three times.
+  and the logits [tokens, V] in fp32 three times, at most three chunks of utils.algos.LOGITS_BUDGET
+  (the head's log-probs run in chunks of rows: algos.head_logprobs).
 - generate: the engine's full copy of the weights in p; on CPU in fp32 the native engine's
   oneDNN-packed decode copy (`FusedDecoder.prepare`: the same size again); its KV cache
   [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p. vLLM on a GPU instead
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from utils import lora
+from utils.algos import LOGITS_BUDGET
 from utils.engines import engine_kind
 from utils.model import ModelConfig, read_config
 
@@ -91,7 +93,8 @@ def training(cfg: ModelConfig, d: int, w: Workload, seq: int) -> dict[str, int]:
     root = P - cfg.num_hidden_layers * cfg.layer_params()
     tokens = min(w.micro_batch, w.rows) * seq
     head = cfg.num_labels if cfg.scores else cfg.vocab_size
-    parts = {"gathered": (root + 2 * cfg.layer_params()) * w.param_bytes, "logits": 3 * tokens * head * 4}
+    logits = tokens * head * 4 if cfg.scores else min(tokens * head * 4, LOGITS_BUDGET)
+    parts = {"gathered": (root + 2 * cfg.layer_params()) * w.param_bytes, "logits": 3 * logits}
     trained = w.lora_params if w.lora_params and not cfg.scores else P  # a critic trains in full
     grads, kept = 4 * trained // d, tokens * activations_per_token(cfg) * w.param_bytes
     if w.rows > w.micro_batch:  # earlier micro-batches' gradients wait while the next one's activations live
