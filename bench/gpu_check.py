@@ -5,7 +5,8 @@ installed (issue 18), colocate GRPO steps on a vLLM engine (sleep during trainin
 update through the inproc weight transfer): the log-prob gap in bf16, the update seconds, and
 the device memory in use with the engine awake and asleep; vLLM's nccl backend (disaggregate)
 when there are two GPUs; and (issue 34) the GRPO step at bench/grpo_vs_trl.py's three model
-sizes, native and vLLM engines, with its generate and train seconds. Meant for one call on a lent H200, well under 8 minutes:
+sizes, native and vLLM engines, with its generate and train seconds. Meant for one call on a
+lent H200, well under 8 minutes:
 
     python bench/gpu_check.py                 # on the GPU machine
     python bench/gpu_check.py --cpu-smoke     # the same code path, tiny shape, on CPU (CI-sized)

@@ -113,10 +113,11 @@ for size in args.sizes:
         table.append((f"{cfg.num_params() / 1e6:.1f}M ({size})", k, f"{m['step']:.3f}",
                       f"{m['step'] / med[TRL]['step']:.2f}x", f"{m['rss']:.0f}",
                       f"{(gen + train) / m['step'] / 1e9 / roof:.1%}", *phases))
-    saved = (med[EAGER]["step"] - med[COMPILED]["step"]) * 800 - (med[COMPILED]["first"] - med[EAGER]["first"])
-    notes.append(f"{size}: --compile's first step {med[COMPILED]['first']:.1f} s (eager {med[EAGER]['first']:.1f}"
-                 f" s); over an 800-step run it {'saves' if saved > 0 else 'costs'} {abs(saved):.0f} s; "
-                 f"our mean completion length {med[EAGER]['len']:.1f}; step GFLOP: generate {gen / 1e9:.0f}, "
+    eager, compiled = med[EAGER], med[COMPILED]
+    saved = (eager["step"] - compiled["step"]) * 800 - (compiled["first"] - eager["first"])
+    notes.append(f"{size}: --compile's first step {compiled['first']:.1f} s (eager {eager['first']:.1f} s); "
+                 f"over an 800-step run it {'saves' if saved > 0 else 'costs'} {abs(saved):.0f} s; "
+                 f"our mean completion length {eager['len']:.1f}; step GFLOP: generate {gen / 1e9:.0f}, "
                  f"train {train / 1e9:.0f}")
 
 print(f"\n{P} prompts x {G} samples x {T} new tokens; fp32 matmul roof {roof:.0f} GFLOP/s; "
