@@ -24,6 +24,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 WAIT_S = 10  # see _report
 MARK = "rl/user_error"  # in the job's store: a rank met a mistake and says it
+SAID = "rl/user_error_said"  # in the job's store: rank 0 says a mistake (the others stay quiet)
 
 
 class UserError(ValueError):
@@ -100,12 +101,23 @@ def cli(flags_class):
         raise
 
 
-def wait_for_rank_0():
+def wait_for_rank_0() -> bool:
     """On a rank other than 0 that met a mistake: the ranks meet the same mistake together, and
     rank 0 says it; torchrun then stops this rank during the wait. Were this rank to leave
-    first, torchrun could stop rank 0 before it said anything."""
+    first, torchrun could stop rank 0 before it said anything. True once rank 0 marked in the
+    job's store that it says a mistake: torchrun's SIGTERM can come before this wait began (a
+    loaded machine), while a handler of the run's own was still installed and took it, so the
+    store, not the signal, ends the wait."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(WAIT_S)
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        try:
+            if _store().check([SAID]):
+                return True
+        except Exception:
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -182,10 +194,13 @@ def _report(kind, error, tb):
         stderr.flush()
         os._exit(1)  # not a normal exit: with gloo running it can abort (see utils.dist.exit_now)
     if rank != 0:
-        wait_for_rank_0()
-        # still here: a mistake only this rank met, said by it
-        print(f"error: (rank {rank}) {error}", file=stderr, flush=True)
+        if not wait_for_rank_0():  # a mistake only this rank met, said by it
+            print(f"error: (rank {rank}) {error}", file=stderr, flush=True)
     else:
+        try:
+            _store().set(SAID, "1")
+        except Exception:
+            pass
         print(f"error: {error}", file=stderr, flush=True)
     sys.stdout.flush()
     os._exit(2)
