@@ -21,6 +21,15 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+def print_table(head: tuple, rows: list[tuple]):
+    """A markdown table, each column as wide as its widest cell (cells already formatted as text)."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import matmul_gflops, qwen2_checkpoint
+from common import matmul_gflops, print_table, qwen2_checkpoint
 
 from utils.data import Tokenizer
 from utils.engines import NativeEngine
@@ -108,8 +108,7 @@ flops = sum(flops_per_token(cfg, P + t) for t in range(1, T)) * B
 roof = matmul_gflops()
 print(f"\nQwen2 {cfg.num_params() / 1e6:.1f}M params, batch {B}, {T - 1} decode steps; fp32 matmul roof "
       f"{roof:.0f} GFLOP/s; the compile (with its first run) took {compile_s:.1f} s\n")
-print(f"| {'decode step':<26} | {'median s':>8} | {'GFLOP/s':>7} | {'roof':>5} |")
-print(f"|{'-' * 28}|{'-' * 10}|{'-' * 9}|{'-' * 7}|")
-for name, ts in times.items():
-    m = statistics.median(ts)
-    print(f"| {name:<26} | {m:8.3f} | {flops / m / 1e9:7.1f} | {flops / m / 1e9 / roof:5.0%} |")
+medians = {name: statistics.median(ts) for name, ts in times.items()}
+print_table(("decode step", "median s", "GFLOP/s", "roof"),
+            [(name, f"{m:.3f}", f"{flops / m / 1e9:.1f}", f"{flops / m / 1e9 / roof:.0%}")
+             for name, m in medians.items()])

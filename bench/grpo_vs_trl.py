@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import matmul_gflops
+from common import matmul_gflops, print_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -122,10 +122,6 @@ for size in args.sizes:
 
 print(f"\n{P} prompts x {G} samples x {T} new tokens; fp32 matmul roof {roof:.0f} GFLOP/s; "
       f"medians of {args.rounds} alternating rounds x {args.steps - 1} steps\n")
-head = ("model", "trainer", "s/step", "vs TRL", "peak RSS MiB", "MFU", "generate s (roof)", "train s (roof)")
-widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
-print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-for row in table:
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+print_table(("model", "trainer", "s/step", "vs TRL", "peak RSS MiB", "MFU", "generate s (roof)",
+             "train s (roof)"), table)
 print("\n" + "\n".join(notes))

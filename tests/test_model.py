@@ -221,7 +221,7 @@ def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch
     apply = algos._HeadLogprobs.apply
     monkeypatch.setattr(algos._HeadLogprobs, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
     whole, whole_grads = run()
-    monkeypatch.setattr(algos, "LOGITS_BUDGET", 2 * 6 * 64 * 4)  # two rows of fp32 logits
+    monkeypatch.setattr(algos, "LOGITS_BUDGET", 2 * 7 * 64 * 4)  # two rows of 7 logits: 6, the prompt's last
     chunked, chunked_grads = run()
     assert chunks == [2]  # the second run only, in chunks of two rows
     assert torch.allclose(chunked, whole, atol=1e-5)

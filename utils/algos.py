@@ -97,19 +97,22 @@ LOGITS_BUDGET = 2 ** 28  # bytes of fp32 logits made at once by head_logprobs (2
 
 
 def head_logprobs(h, weight, tokens, temperature: float = 1.0, budget: int | None = None):
-    """token_logprobs(h @ weight.T, tokens, temperature) without the whole batch's logits at once:
-    h [B, T, hidden], weight [V, hidden] (the lm_head), tokens [B, T] -> [B, T] fp32. Rows go in
-    chunks whose fp32 logits fit `budget`; the backward makes each chunk's logits again from h and
-    the saved log-normaliser (one more head matmul per chunk) instead of keeping them (Liger's fused
-    linear cross-entropy does the same for a mean loss; here the upstream gradient is any [B, T]).
+    """token_logprobs((h @ weight.T)[:, :T], tokens, temperature) without the whole batch's logits
+    at once: h [B, S, hidden] (S >= T), weight [V, hidden] (the lm_head), tokens [B, T] -> [B, T]
+    fp32. Rows go in chunks whose fp32 logits fit `budget`; the backward makes each chunk's logits
+    again from h and the saved log-normaliser (one more head matmul per chunk) instead of keeping
+    them (Liger's fused linear cross-entropy does the same for a mean loss; here the upstream
+    gradient is any [B, T]).
     A batch whose logits fit the budget is one chunk, computed as lm_head then token_logprobs are
-    (the same ops, the same bits). At a 152K vocabulary, 64 rows x 256 tokens of fp32 logits are
+    (the same ops, the same bits: over all S positions, as the trainer always made them; a matmul of
+    other rows can round otherwise). At a 152K vocabulary, 64 rows x 256 tokens of fp32 logits are
     10 GB; here they are 256 MiB at most."""
-    B, T, _ = h.shape
-    rows = max(1, (budget or LOGITS_BUDGET) // max(1, T * weight.shape[0] * 4))
+    B, S, _ = h.shape
+    T = tokens.shape[1]
+    rows = max(1, (budget or LOGITS_BUDGET) // max(1, S * weight.shape[0] * 4))
     if rows >= B:
-        return token_logprobs(torch.nn.functional.linear(h, weight).float(), tokens, temperature)
-    return _HeadLogprobs.apply(h, weight, tokens, temperature, rows)
+        return token_logprobs(torch.nn.functional.linear(h, weight).float()[:, :T], tokens, temperature)
+    return _HeadLogprobs.apply(h[:, :T], weight, tokens, temperature, rows)
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -421,7 +421,7 @@ class Transformer(nn.Module):
         if targets is not None:
             from utils.algos import head_logprobs
 
-            return head_logprobs(h[:, :targets.shape[1]], self.lm_head.weight, targets, temperature)  # [B, T]
+            return head_logprobs(h, self.lm_head.weight, targets, temperature)  # [B, T]
         return self.lm_head(h).float()  # [B, S', V]
 
 
