@@ -65,7 +65,7 @@ def trl(hidden, layers):
                     "--hidden", str(hidden), "--layers", str(layers), "--prompts-per-step", str(P),
                     "--num-generations", str(G), "--max-new-tokens", str(T)])
     res = json.loads(out.strip().splitlines()[-1])
-    return {"step": res["s_per_step_median"], "first": res["step_times"][0], "rss": rss}, res["model_dir"]
+    return {"step": res["s_per_step_median"], "rss": rss}, res["model_dir"]
 
 
 def ours(model_dir, data, *flags):

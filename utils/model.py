@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from utils.algos import head_logprobs
 from utils.data import read_json
 from utils.errors import UserError
 
@@ -419,8 +420,6 @@ class Transformer(nn.Module):
         if self.config.scores:
             return self.score(h).float()  # [B, S', num_labels]
         if targets is not None:
-            from utils.algos import head_logprobs
-
             return head_logprobs(h, self.lm_head.weight, targets, temperature)  # [B, T]
         return self.lm_head(h).float()  # [B, S', V]
 
