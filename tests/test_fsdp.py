@@ -1,25 +1,15 @@
 """FSDP2 under torchrun (gloo): 2 ranks give the 1-rank update; gathered weights are exact."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import torchrun  # noqa: F401 (the suite's torchrun: tests import it from here)
 from utils.tiny import random_checkpoint
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def torchrun(nproc, *args, timeout=240):
-    """Runs a script under torchrun; a hung rank fails the test at `timeout`, not CI."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p
 
 
 @pytest.fixture(scope="module")

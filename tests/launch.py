@@ -1,0 +1,205 @@
+"""The suite's torchrun: each launch's ranks forked from a warm process, not started afresh.
+
+`torchrun --standalone --nproc-per-node=N script.py ...` starts N + 1 interpreters: the agent
+imports torch, each rank torch and our modules (~3.5 CPU-s each on this machine), about a
+quarter of what a short test launch costs. Here one server per pytest worker imports them
+once (started by the first launch, gone with the worker). Per launch it forks a job process,
+which forks the N ranks and, as torchrun's agent does, hosts their store (a TCPStore on a port
+the OS picks as it binds; TORCHELASTIC_USE_AGENT_STORE tells utils.dist.init to join it) and
+gives each rank torchrun's environment; a rank runs the script as `__main__`. Their stdout and
+stderr each go to one file, as torchrun's children share its two pipes. A rank that fails
+brings the others down (SIGTERM, SIGKILL 10 s later), as torchrun's agent does.
+
+What a forked rank does not get: anything read at interpreter start-up (malloc's environment,
+PYTHON* variables) and torchrun's own behaviour (restarts, several nodes, a worker found by its
+command line). Tests of those start `python -m torch.distributed.run` themselves, or pass
+`fresh=True` to torchrun(). Not yet the default: RL_TEST_FORK=1 turns it on (tests/test_fsdp.py
+passes with it; the whole suite has not been run with it yet)."""
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "safetensors.torch", "tyro",
+        "transformers", "train_grpo", "train_ppo", "train_rm"]  # what the ranks' scripts import
+
+
+def torchrun(nproc, *args, timeout=240, fresh=False):
+    """Runs a script (its path, then its arguments) on nproc ranks as torchrun --standalone would;
+    a hung rank fails the test at `timeout`, not CI. fresh: under torchrun itself."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    if fresh or not os.environ.get("RL_TEST_FORK"):  # opt-in until the whole suite passes with it
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    else:
+        p = _forked(cmd, nproc, list(args), env, timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+_server = {}
+
+
+def _forked(cmd, nproc, args, env, timeout):
+    if "path" not in _server or _server["proc"].poll() is not None:
+        path = os.path.join(tempfile.mkdtemp(prefix="rl-launch-"), "socket")
+        # the server reads its stdin to know when its worker is gone: at EOF it ends
+        proc = subprocess.Popen([sys.executable, "-m", "tests.launch", path], cwd=ROOT, stdin=subprocess.PIPE,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _server.update(path=path, proc=proc)
+    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as conn:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        deadline = time.monotonic() + timeout
+        while True:  # the server binds its socket once its imports are done
+            try:
+                conn.connect(_server["path"])
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert _server["proc"].poll() is None, "the launch server died while starting"
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                time.sleep(0.1)
+        conn.sendall(pickle.dumps(dict(nproc=nproc, args=args, env=env, out=out, err=err)))
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        reply = b""
+        try:
+            while chunk := conn.recv(1 << 16):
+                reply += chunk
+        except socket.timeout:
+            job = int(reply.split(b"\n")[0])  # the job leads its own process group: all its ranks
+            os.killpg(job, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(cmd, timeout) from None
+        code = int(reply.split(b"\n")[1])
+        read = [open(f, errors="replace").read() if os.path.exists(f) else "" for f in (out, err)]
+        return subprocess.CompletedProcess(cmd, code, *read)
+
+
+def serve(path):
+    """The server: warm imports, then one forked job per connection, until stdin closes."""
+    import importlib
+
+    for name in WARM:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the jobs
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".new")
+    listener.listen(8)
+    os.rename(path + ".new", path)  # connectable only now
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1 << 10):
+            os._exit(0)
+        if listener in ready:
+            conn, _ = listener.accept()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if os.fork() == 0:
+                listener.close()
+                _job(conn)
+            conn.close()
+
+
+def _job(conn):
+    """One launch: fork the ranks, host their store, wait; reply `pid\\nexit code\\n`."""
+    os.setsid()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    conn.sendall(f"{os.getpid()}\n".encode())
+    data = b""
+    while chunk := conn.recv(1 << 16):
+        data += chunk
+    job = pickle.loads(data)
+    ranks, pipes = {}, []
+    for rank in range(job["nproc"]):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            os.close(w)
+            port = int(os.read(r, 64))
+            _rank(job, rank, port)
+        os.close(r)
+        ranks[pid], pipes = rank, pipes + [w]
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, job["nproc"], is_master=True, wait_for_workers=False)
+    for w in pipes:
+        os.write(w, str(store.port).encode())
+        os.close(w)
+    code, left = 0, set(ranks)
+    while left:
+        pid, status = os.waitpid(-1, 0)
+        left.discard(pid)
+        status = os.waitstatus_to_exitcode(status)
+        if status and not code:  # the first failure ends the launch, as under torchrun
+            code = 1
+            for other in left:
+                os.kill(other, signal.SIGTERM)
+            signal.signal(signal.SIGALRM, lambda *_: [_kill(p) for p in left])
+            signal.alarm(10)
+    conn.sendall(f"{code}\n".encode())
+    os._exit(0)
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _rank(job, rank, port):
+    """Runs the script in this process as torchrun's worker `rank` would, then ends it."""
+    import atexit
+    import runpy
+
+    nproc, args = job["nproc"], job["args"]
+    code = 0
+    try:
+        for fd, name in ((1, "out"), (2, "err")):
+            f = os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.environ.clear()
+        os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                          ROLE_RANK=str(rank), ROLE_NAME="default", WORLD_SIZE=str(nproc),
+                          LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                          TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                          TORCHELASTIC_USE_AGENT_STORE="True")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path[0] = ROOT
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.join(ROOT, args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
