@@ -5,11 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import torchrun  # noqa: F401 (the suite's torchrun: tests import it from here)
+from launch import ROOT, torchrun  # noqa: F401 (the suite's torchrun: tests import both from here)
 from utils.tiny import random_checkpoint
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
