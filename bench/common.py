@@ -9,16 +9,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
-    """Best-of-`reps` rate of one large fp32 matmul: the roof the MFU figures divide by."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n: int = 2048, reps: int = 5, device="cpu", dtype=torch.float32) -> float:
+    """Best-of-`reps` rate of one large matmul (fp32 on the CPU): the roof the MFU figures divide by."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(reps):
+        sync(device)
         t = time.perf_counter()
         a @ b
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
+
+
+def sync(device):
+    """Waits for the device's queued work (timings on a GPU); nothing on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def print_table(head: tuple, rows: list[tuple]):
