@@ -32,7 +32,8 @@ def measured(model, ranks, flags, run_dir):
     """(the printed estimate for the trainer ranks, their measured peak), in GiB."""
     p = torchrun(ranks, "train_grpo.py", "--model", model, "--steps", "2", "--prompts-per-step", "4",
                  "--num-generations", "4", "--eval-every", "0", "--max-new-tokens", "48",
-                 "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir)
+                 "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir,
+                 fresh=True)  # MALLOC_MMAP_THRESHOLD_ is read as a process starts: not in a forked rank
     added = max(r["perf/peak_mem_added_gib"] for r in metrics(run_dir) if not r.get("final"))
     return trainer_gib(p.stdout), added
 

@@ -2,12 +2,10 @@
 (first S ranks sample while the others judge finished chunks, all ranks train), with the same
 rewards; a judge that fails is counted, and a run whose every reward fails stops clearly."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_fsdp import ROOT, torchrun
+from test_fsdp import torchrun
 
 import placement
 from utils.errors import UserError
@@ -76,11 +74,9 @@ def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path):
     (counted in reward/failures); with the judge as the only reward every sample fails, and
     after --max-skipped-steps such steps the run stops, saying so."""
     run = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "train_grpo.py", *TINY, "--rewards", "judge", "--judge-model", "assets/judge-tiny",
-           "--reward-timeout-s", "1e-6", "--max-skipped-steps", "1", *PARTIAL, "--run-dir", run]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = torchrun(2, "train_grpo.py", *TINY, "--rewards", "judge", "--judge-model", "assets/judge-tiny",
+                 "--reward-timeout-s", "1e-6", "--max-skipped-steps", "1", *PARTIAL, "--run-dir", run,
+                 check=False)
     assert p.returncode != 0
     assert "every reward failed" in p.stdout + p.stderr and "judg" in p.stdout + p.stderr
     rows = metrics(run)

@@ -53,13 +53,8 @@ def test_two_rank_run_trains_logs_every_step_and_is_seeded(grpo_run, tmp_path):
 
 
 def test_world_size_that_does_not_fit_says_what_to_change(tmp_path):
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", "train_grpo.py", "--prompts-per-step", "3", "--run-dir", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = torchrun(2, "train_grpo.py", "--prompts-per-step", "3", "--run-dir", str(tmp_path), timeout=120,
+                 check=False)
     assert p.returncode != 0
     assert "use a multiple such as [2, 4, 6]" in p.stderr
 
@@ -83,15 +78,9 @@ def test_a_wrong_model_dir_says_what_is_wrong(tmp_path, what):
 def test_nan_gradients_are_skipped_counted_then_stop_the_run(tmp_path):
     """--lr 1e30 blows the weights up to inf in the first step; the next steps' gradients are NaN:
     they are skipped and counted, and past --max-skipped-steps the run stops with a message."""
-    import subprocess
-    import sys
-
     run = str(tmp_path / "nan")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", "train_grpo.py",
-           *TINY, "--steps", "6", "--lr", "1e30", "--max-skipped-steps", "2", "--run-dir", run]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = torchrun(2, "train_grpo.py", *TINY, "--steps", "6", "--lr", "1e30", "--max-skipped-steps", "2",
+                 "--run-dir", run, check=False)
     assert p.returncode != 0
     assert "3 steps had NaN/inf gradients (--max-skipped-steps 2)" in p.stdout + p.stderr
     rows = metrics(run)
