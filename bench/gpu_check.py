@@ -41,6 +41,10 @@ ap.add_argument("--peak-tflops", type=float, default=790.0)
 ap.add_argument("--vllm-memory", default=None, help="internal: a vLLM engine's memory on this checkpoint")
 ap.add_argument("--sizes", nargs="+", default=["256x4", "512x8", "1024x8"],
                 help="HIDDENxLAYERS: bench/grpo_vs_trl.py's model sizes, timed here too (native and vLLM)")
+PARTS = ["decode", "steps", "sizes", "vllm"]
+ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
+                help="what to run: decode tokens/s (CUDA graph and eager steps), the 0.5B GRPO steps (eager "
+                     "and --compile), bench/grpo_vs_trl.py's sizes, vLLM")
 args = ap.parse_args()
 
 
@@ -97,23 +101,39 @@ save_model(model, cfg, path, dtype=torch.bfloat16)
 del model
 print(f"checkpoint: {cfg.num_params() / 1e6:.0f}M params in {time.time() - t:.0f}s", flush=True)
 
-# decode: batch 64 (8 prompts x 8 samples), 128 new tokens, EOS off
-eng = NativeEngine(cfg, Tokenizer(path), device, torch.bfloat16)
-eng.eos = torch.tensor([-1], device=device)
-eng.load_weights(iter_checkpoint(path))
-prompts = torch.randint(0, 200, (8, 32)).tolist()
-sp = SamplingParams(n=8, temperature=1.0, max_new_tokens=128 if gpu else 16)
-eng.generate(prompts, sp, list(range(8)))  # warm-up
-if gpu:
-    torch.cuda.synchronize()
-t = time.perf_counter()
-out = eng.generate(prompts, sp, list(range(8)))
-if gpu:
-    torch.cuda.synchronize()
-dec_s = time.perf_counter() - t
-dec_tokens = int(out.lengths.sum())
-dec_flops = sum(flops_per_token(cfg, 32 + i) for i in range(sp.max_new_tokens)) * 64
-del eng
+# decode: batch 64 (8 prompts x 8 samples), 128 new tokens, EOS off; each step replayed as a CUDA
+# graph (the engine's default on a GPU) and eager (NativeEngine.graphs emptied); their greedy tokens
+roof = args.peak_tflops * 1e12
+if "decode" in args.parts:
+    eng = NativeEngine(cfg, Tokenizer(path), device, torch.bfloat16)
+    eng.eos = torch.tensor([-1], device=device)
+    eng.load_weights(iter_checkpoint(path))
+    prompts = torch.randint(0, 200, (8, 32)).tolist()
+    sp = SamplingParams(n=8, temperature=1.0, max_new_tokens=128 if gpu else 16)
+    greedy = SamplingParams(temperature=0, max_new_tokens=sp.max_new_tokens)
+    dec_flops = sum(flops_per_token(cfg, 32 + i) for i in range(sp.max_new_tokens)) * 64
+    decode = {}
+    for graphs in ("CUDA graph", "eager"):
+        eng.graphs = ("cuda",) if graphs == "CUDA graph" else ()
+        eng.generate(prompts, sp, list(range(8)))  # warm-up
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = eng.generate(prompts, sp, list(range(8)))
+        if gpu:
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t
+        decode[graphs] = (int(out.lengths.sum()), secs, eng.generate(prompts, greedy, [0] * 8))
+    del eng
+    print(f"\ndecode, batch 64, {sp.max_new_tokens} new tokens, bf16, {cfg.num_params() / 1e6:.0f}M params")
+    print(f"| {'steps':<10} | {'tokens/s':>9} | {'MFU':>6} |\n|{'-' * 12}|{'-' * 11}|{'-' * 8}|")
+    for graphs, (tokens, secs, _) in decode.items():
+        print(f"| {graphs:<10} | {tokens / secs:9.0f} | {dec_flops / secs / roof:6.2%} |")
+    g, e = decode["CUDA graph"][2], decode["eager"][2]
+    alike = lambda x: f"{x.float().mean():.0%}"  # noqa: E731
+    print(f"greedy (batch 8): rows alike {alike((g.tokens == e.tokens).all(-1))}, first tokens alike "
+          f"{alike(g.tokens[:, 0] == e.tokens[:, 0])}, log-prob gap over the first 8 tokens "
+          f"{(g.logprobs[:, :8] - e.logprobs[:, :8]).abs().max():.4f}", flush=True)
 
 # GRPO steps in bf16 through the real script (one rank)
 run = os.path.join(path, "run")
@@ -122,44 +142,42 @@ cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-p
        "--prompts-per-step", "16", "--num-generations", "8", "--max-new-tokens", "128" if gpu else "16",
        "--micro-batch-size", "16", "--eval-every", "0", "--save-every", "0", "--no-save-final",
        "--lr", "1e-6", "--run-dir", run]
-p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
-if p.returncode:
-    sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
-rows = [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if not r.get("final")]
-rows = rows[1:]  # the first step is the warm-up
-train_s = sorted(r["perf/train_s"] for r in rows)[len(rows) // 2]
-gen_s = sorted(r["perf/generate_s"] for r in rows)[len(rows) // 2]
-response_len = sorted(r["rollout/response_len"] for r in rows)[len(rows) // 2]
-seq_tokens = 16 * 8 * (10 + response_len)  # ~10-token prompts
-train_flops = 3 * flops_per_token(cfg, 64) * seq_tokens  # forward + backward = 3 forwards
-peak = max(r["perf/peak_mem_gib"] for r in rows)
-roof = args.peak_tflops * 1e12
-print(f"\n{'GPU' if gpu else 'CPU smoke'}: {torch.cuda.get_device_name() if gpu else 'cpu'}, "
-      f"{cfg.num_params() / 1e6:.0f}M params, bf16")
-print(f"| {'figure':<34} | {'value':>12} |\n|{'-' * 36}|{'-' * 14}|")
-print(f"| {'decode tokens/s (batch 64)':<34} | {dec_tokens / dec_s:12.0f} |")
-print(f"| {'decode MFU':<34} | {dec_flops / dec_s / roof:12.2%} |")
-print(f"| {'train step s (median, 128 seqs)':<34} | {train_s:12.3f} |")
-print(f"| {'train-step MFU':<34} | {train_flops / train_s / roof:12.2%} |")
-print(f"| {'generate s in the GRPO step':<34} | {gen_s:12.3f} |")
-print(f"| {'peak memory GiB (GPU; RSS on CPU)':<34} | {peak:12.2f} |")
-said = trainer_gib(p.stdout)
-added = max(r["perf/peak_mem_added_gib"] for r in rows)
-print(f"| {'memory plan GiB (utils/memory.py)':<34} | {said:12.2f} |")
-print(f"| {'measured GiB over start-up':<34} | {added:12.2f} |")
+if "steps" in args.parts:
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    if p.returncode:
+        sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
+    rows = [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if not r.get("final")]
+    rows = rows[1:]  # the first step is the warm-up
+    train_s = sorted(r["perf/train_s"] for r in rows)[len(rows) // 2]
+    gen_s = sorted(r["perf/generate_s"] for r in rows)[len(rows) // 2]
+    response_len = sorted(r["rollout/response_len"] for r in rows)[len(rows) // 2]
+    seq_tokens = 16 * 8 * (10 + response_len)  # ~10-token prompts
+    train_flops = 3 * flops_per_token(cfg, 64) * seq_tokens  # forward + backward = 3 forwards
+    peak = max(r["perf/peak_mem_gib"] for r in rows)
+    print(f"\n{'GPU' if gpu else 'CPU smoke'}: {torch.cuda.get_device_name() if gpu else 'cpu'}, "
+          f"{cfg.num_params() / 1e6:.0f}M params, bf16, GRPO steps of 16 x 8")
+    print(f"| {'figure':<34} | {'value':>12} |\n|{'-' * 36}|{'-' * 14}|")
+    print(f"| {'train step s (median, 128 seqs)':<34} | {train_s:12.3f} |")
+    print(f"| {'train-step MFU':<34} | {train_flops / train_s / roof:12.2%} |")
+    print(f"| {'generate s in the GRPO step':<34} | {gen_s:12.3f} |")
+    print(f"| {'peak memory GiB (GPU; RSS on CPU)':<34} | {peak:12.2f} |")
+    said = trainer_gib(p.stdout)
+    added = max(r["perf/peak_mem_added_gib"] for r in rows)
+    print(f"| {'memory plan GiB (utils/memory.py)':<34} | {said:12.2f} |")
+    print(f"| {'measured GiB over start-up':<34} | {added:12.2f} |")
 
-# --compile (issue 20): the same steps with each decoder block under torch.compile
-crun = os.path.join(path, "crun")
-ccmd = [*cmd[:cmd.index("--run-dir")], "--compile", "--run-dir", crun]
-p = subprocess.run(ccmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
-if p.returncode:
-    sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
-crows = [r for r in map(json.loads, open(os.path.join(crun, "metrics.jsonl"))) if not r.get("final")]
-ctrain_s = sorted(r["perf/train_s"] for r in crows[1:])[len(crows[1:]) // 2]
-eager_first = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())["perf/train_s"]
-first = f"{crows[0]['perf/train_s']:.1f} ({eager_first:.1f})"
-print(f"| {'--compile: first train s (eager)':<34} | {first:>12} |")
-print(f"| {'--compile: train step s (median)':<34} | {ctrain_s:12.3f} |")
+    # --compile (issue 20): the same steps with each decoder block under torch.compile
+    crun = os.path.join(path, "crun")
+    ccmd = [*cmd[:cmd.index("--run-dir")], "--compile", "--run-dir", crun]
+    p = subprocess.run(ccmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    if p.returncode:
+        sys.exit(p.stdout[-2000:] + p.stderr[-4000:])
+    crows = [r for r in map(json.loads, open(os.path.join(crun, "metrics.jsonl"))) if not r.get("final")]
+    ctrain_s = sorted(r["perf/train_s"] for r in crows[1:])[len(crows[1:]) // 2]
+    eager_first = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())["perf/train_s"]
+    first = f"{crows[0]['perf/train_s']:.1f} ({eager_first:.1f})"
+    print(f"| {'--compile: first train s (eager)':<34} | {first:>12} |")
+    print(f"| {'--compile: train step s (median)':<34} | {ctrain_s:12.3f} |")
 
 
 def bench_size(size: str, engine: str) -> dict:
@@ -195,19 +213,22 @@ def bench_size(size: str, engine: str) -> dict:
 import importlib.util  # noqa: E402
 
 engines = ["native"] + (["vllm"] if importlib.util.find_spec("vllm") is not None else [])
-print(f"\nbench/grpo_vs_trl.py's sizes, one {'GPU' if gpu else 'CPU'}, bf16 (8 x 8 x 64; medians)")
-print(f"| {'model':<16} | {'engine':<6} | {'s/step':>7} | {'generate s':>10} | {'train s':>7} "
-      f"| {'peak GiB':>8} |")
-print(f"|{'-' * 18}|{'-' * 8}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 10}|")
-for size in args.sizes if gpu else args.sizes[:1]:  # the smoke run: the smallest, to keep it short
-    for engine in engines:
-        r = bench_size(size, engine)
-        model = f"{r['params'] / 1e6:.1f}M ({size})"
-        print(f"| {model:<16} | {engine:<6} | {r['step']:7.3f} | {r['gen']:10.3f} "
-              f"| {r['train']:7.3f} | {r['mem']:8.2f} |", flush=True)
+if "sizes" in args.parts:
+    print(f"\nbench/grpo_vs_trl.py's sizes, one {'GPU' if gpu else 'CPU'}, bf16 (8 x 8 x 64; medians)")
+    print(f"| {'model':<16} | {'engine':<6} | {'s/step':>7} | {'generate s':>10} | {'train s':>7} "
+          f"| {'peak GiB':>8} |")
+    print(f"|{'-' * 18}|{'-' * 8}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 10}|")
+    for size in args.sizes if gpu else args.sizes[:1]:  # the smoke run: the smallest, to keep it short
+        for engine in engines:
+            r = bench_size(size, engine)
+            model = f"{r['params'] / 1e6:.1f}M ({size})"
+            print(f"| {model:<16} | {engine:<6} | {r['step']:7.3f} | {r['gen']:10.3f} "
+                  f"| {r['train']:7.3f} | {r['mem']:8.2f} |", flush=True)
 
 
 # vLLM (issue 18): colocate GRPO steps on a vLLM engine, its memory awake and asleep, and nccl when it can
+if "vllm" not in args.parts:
+    sys.exit(0)
 if importlib.util.find_spec("vllm") is None:
     print("\nvLLM: not installed here, skipped (pip install -r requirements-vllm-gpu.txt)")
     sys.exit(0)

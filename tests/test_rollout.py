@@ -63,6 +63,22 @@ def test_greedy_equals_transformers_generate(decode_model, decode_weights):
         assert out.finish_reasons[i] == ("stop" if want[-1] == eos else "length")
 
 
+def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(decode_model, decode_weights):
+    """GraphedStep's step (utils/decode.py: each token written at a slot held in a tensor, attention
+    over the whole cache with the unwritten slots masked), run eagerly on this CPU, against the
+    eager step over the written slots only. The masked slots add exact zeros, but a longer row may
+    be summed in another order, so the log-probs may differ in their last bits: 1e-5 is ~100x
+    fp32's rounding at their size; greedy tokens then agree unless two logits tie within it."""
+    path, _ = decode_model
+    eager, static = engine_for(path), engine_for(path)
+    static.graphs = ("cpu",)
+    ps = prompts(eager.tok)
+    sp = SamplingParams(temperature=0, max_new_tokens=16)
+    a, b = eager.generate(ps, sp, list(range(len(ps)))), static.generate(ps, sp, list(range(len(ps))))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
 def test_sampled_logprobs_equal_full_forward(decode_model, temperature, top_p, top_k, decode_weights):
     path, ref = decode_model

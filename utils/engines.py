@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from utils.errors import UserError
-from utils.decode import FusedDecoder, SamplingParams, sample_tokens, sample_uniforms
+from utils.decode import FusedDecoder, GraphedStep, SamplingParams, sample_tokens, sample_uniforms
 from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
 
 __all__ = ["Samples", "Engine", "NativeEngine", "VLLMEngine", "SamplingParams", "make_engine"]
@@ -117,6 +117,8 @@ class NoEngine(Engine):
 class NativeEngine(Engine):
     takes_adapters = True  # LoRA: after one load of the base, adapters alone (`load_adapters`)
     has_base = False  # set by placement.sync once the base is loaded
+    graphs = ("cuda",)  # on these devices (without --gen-tp) a decode step replays one CUDA graph
+    # (utils/decode.py GraphedStep; the tests add "cpu", where the same static step runs eagerly)
 
     def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32, tp_group=None):
         """tp_group (--gen-tp): cfg is this rank's part of the model (utils/tp.py), the group its own."""
@@ -198,6 +200,10 @@ class NativeEngine(Engine):
         u = sample_uniforms(seeds, n, T, dev)  # [N, T]
         bias = torch.zeros(N, 1, P + T, dtype=self.dtype, device=dev)  # [N, 1, P+T] additive attention mask
         bias[:, 0, :P].masked_fill_(~valid, float("-inf"))  # left padding
+        bias[:, 0, P:] = float("-inf")  # slots not written yet (the eager step reads only written ones)
+        step = self.decoder.decode
+        if dev.type in self.graphs and self.tp_group is None and T > 1:
+            step = GraphedStep(self.decoder, cache, bias)
         out_tok = torch.zeros(N, T, dtype=torch.long, device=dev)
         out_lp = torch.zeros(N, T, dtype=torch.float32, device=dev)
         done = torch.zeros(N, dtype=torch.bool, device=dev)
@@ -215,8 +221,8 @@ class NativeEngine(Engine):
             if t == T - 1 or bool(done.all()):
                 break
             # rows that are done still run (their new slot masked) to keep the batch whole
-            bias[:, 0, P + t].masked_fill_(done, float("-inf"))
-            logits = self.decoder.decode(tok, next_pos, bias[:, :, :P + t + 1], cache)
+            bias[:, 0, P + t].masked_fill_(~done, 0)
+            logits = step(tok, next_pos, bias[:, :, :P + t + 1], cache)
             next_pos += 1
         Tmax = int(lengths.max())
         keep = torch.arange(Tmax, device=dev)[None] < lengths[:, None]  # [N, Tmax]

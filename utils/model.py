@@ -342,15 +342,22 @@ class Body(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys and values for a batch: [layers, B, KV, max_len, D]; `pos` is the fill level."""
+    """Preallocated keys and values for a batch: [layers, B, KV, max_len, D]; `pos` is the fill level.
+    `slot` (a [1] tensor, utils/decode.py GraphedStep): one token's keys and values are written at
+    that slot and attention reads the whole cache, its unfilled slots masked, so that a step's
+    shapes and addresses never change (a CUDA graph replays it)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
-        self.pos = 0
+        self.pos, self.slot = 0, None
 
     def update(self, layer: int, k, v):
+        if self.slot is not None:
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]
         end = self.pos + k.shape[2]
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v
