@@ -10,9 +10,9 @@ gives each rank torchrun's environment; a rank runs the script as `__main__`. Th
 stderr each go to one file, as torchrun's children share its two pipes. A rank that fails
 brings the others down (SIGTERM, SIGKILL 10 s later), as torchrun's agent does.
 
-What a forked rank does not get: anything read at interpreter start-up (malloc's environment,
-PYTHON* variables) and torchrun's own behaviour (restarts, several nodes, a worker found by its
-command line). Tests of those start `python -m torch.distributed.run` themselves, or pass
+What a forked rank does not get: anything read at interpreter start-up (PYTHON* variables; of
+malloc's environment it gets MALLOC_MMAP_THRESHOLD_, through mallopt) and torchrun's own
+behaviour (restarts, several nodes, a worker found by its command line). Tests of those start `python -m torch.distributed.run` themselves, or pass
 `fresh=True` to torchrun(). RL_TEST_FORK=0 runs every launch under torchrun itself."""
 import os
 import pickle
@@ -26,13 +26,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "safetensors.torch", "tyro",
-        "transformers", "train_grpo", "train_ppo", "train_rm", "train_flow_grpo"]  # what the ranks' scripts import
+        "transformers", "train_grpo", "train_ppo", "train_rm", "train_flow_grpo"]  # what the scripts import
 
 
 def torchrun(nproc, *args, timeout=240, fresh=False, check=True, env=None):
     """Runs a script (its path, then its arguments) on nproc ranks as torchrun --standalone would;
     a hung rank fails the test at `timeout`, not CI. fresh: under torchrun itself; check: assert
-    that it succeeded (False: a test of a failure reads the returned process); env: variables to add."""
+    that it succeeded (False: a test of a failure reads the returned process); env: variables to
+    add."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     if fresh or os.environ.get("RL_TEST_FORK") == "0":
@@ -175,6 +176,11 @@ def _rank(job, rank, port):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
                           TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
                           TORCHELASTIC_USE_AGENT_STORE="True")
+        if "MALLOC_MMAP_THRESHOLD_" in job["env"]:  # glibc reads it at start-up: set it as it would
+            import ctypes
+
+            M_MMAP_THRESHOLD = -3
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(job["env"]["MALLOC_MMAP_THRESHOLD_"]))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if args[0] == "-m":

@@ -32,8 +32,7 @@ def measured(model, ranks, flags, run_dir):
     """(the printed estimate for the trainer ranks, their measured peak), in GiB."""
     p = torchrun(ranks, "train_grpo.py", "--model", model, "--steps", "2", "--prompts-per-step", "4",
                  "--num-generations", "4", "--eval-every", "0", "--max-new-tokens", "48",
-                 "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir,
-                 fresh=True)  # MALLOC_MMAP_THRESHOLD_ is read as a process starts: not in a forked rank
+                 "--rewards", "tests.helpers.rewards:length_bonus", *flags, "--run-dir", run_dir)
     added = max(r["perf/peak_mem_added_gib"] for r in metrics(run_dir) if not r.get("final"))
     return trainer_gib(p.stdout), added
 
@@ -45,7 +44,7 @@ def measured(model, ranks, flags, run_dir):
     (2, ["--placement", "disaggregate", "--rollout-ranks", "1", "--micro-batch-size", "4"]),  # no engine
 ], ids=["colocate-1-mb16", "colocate-1-mb4", "colocate-2", "disaggregate-trainer"])
 def test_the_estimate_grows_as_the_measured_peak(models, tmp_path, monkeypatch, ranks, flags):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # torchrun's ranks inherit it
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks get it (tests/launch.py: mallopt)
     small, mid = models
     said_small, seen_small = measured(small, ranks, flags, str(tmp_path / "small"))
     said_mid, seen_mid = measured(mid, ranks, flags, str(tmp_path / "mid"))

@@ -213,7 +213,8 @@ def test_train_rm_learns_and_writes_a_transformers_reward_model(tmp_path):
 
 
 def test_train_rm_batch_that_does_not_split_is_one_error_line(tmp_path):
-    p = torchrun(2, "train_rm.py", "--batch-size", "3", "--out", str(tmp_path / "rm"), timeout=60, check=False)
+    p = torchrun(2, "train_rm.py", "--batch-size", "3", "--out", str(tmp_path / "rm"), timeout=60,
+                 check=False)
     assert p.returncode != 0
     assert "error: --batch-size 3: use a multiple of the 2 ranks, such as [16, 32, 64]" in p.stderr
     assert "[rank0]: Traceback" not in p.stderr  # (torchrun's own report of the failed worker follows)
