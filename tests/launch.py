@@ -12,8 +12,9 @@ brings the others down (SIGTERM, SIGKILL 10 s later), as torchrun's agent does.
 
 What a forked rank does not get: anything read at interpreter start-up (PYTHON* variables; of
 malloc's environment it gets MALLOC_MMAP_THRESHOLD_, through mallopt) and torchrun's own
-behaviour (restarts, several nodes, a worker found by its command line). Tests of those start `python -m torch.distributed.run` themselves, or pass
-`fresh=True` to torchrun(). RL_TEST_FORK=0 runs every launch under torchrun itself."""
+behaviour (restarts, several nodes, a worker found by its command line). Tests of those start
+`python -m torch.distributed.run` themselves, or pass `fresh=True` to torchrun(). RL_TEST_FORK=0
+runs every launch under torchrun itself."""
 import os
 import pickle
 import select
