@@ -40,47 +40,117 @@ def torchrun(nproc, *args, timeout=240, fresh=False, check=True, env=None):
     if fresh or os.environ.get("RL_TEST_FORK") == "0":
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     else:
-        p = _forked(cmd, nproc, list(args), env, timeout)
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            code = Forked(nproc, list(args), env, out, err, timeout).wait()
+            read = [open(f, errors="replace").read() if os.path.exists(f) else "" for f in (out, err)]
+            p = subprocess.CompletedProcess(cmd, code, *read)
     assert p.returncode == 0 or not check, p.stdout[-3000:] + p.stderr[-3000:]
     return p
+
+
+def start(cmd, log, timeout=240, fresh=False):
+    """A launch that the test does not wait for (it kills or signals a rank): `cmd` a torchrun
+    command line, its output to the open file `log`. Returns what has subprocess.Popen's poll,
+    wait and kill, and `ranks()`, {local rank: pid}: a Popen of torchrun itself where the line
+    asks for more than --standalone --nproc-per-node (restarts, say) or `fresh`, else forked ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nproc = cmd[4].removeprefix("--nproc-per-node=")
+    if cmd[2:4] != ["torch.distributed.run", "--standalone"] or not nproc.isdigit() or \
+            cmd[5].startswith("-") or fresh or os.environ.get("RL_TEST_FORK") == "0":
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        p.ranks = lambda: torchrun_workers(p.pid)
+        return p
+    return Forked(int(nproc), cmd[5:], env, log.name, log.name, timeout)
+
+
+def torchrun_workers(pid):
+    """The torchrun agent `pid`'s worker processes: {local rank: pid}."""
+    out = {}
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        for child in map(int, f.read().split()):
+            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+            rank = [e for e in env if e.startswith(b"LOCAL_RANK=")]
+            if rank:
+                out[int(rank[0].split(b"=")[1])] = child
+    return out
 
 
 _server = {}
 
 
-def _forked(cmd, nproc, args, env, timeout):
-    if "path" not in _server or _server["proc"].poll() is not None:
-        path = os.path.join(tempfile.mkdtemp(prefix="rl-launch-"), "socket")
-        # the server reads its stdin to know when its worker is gone: at EOF it ends
-        proc = subprocess.Popen([sys.executable, "-m", "tests.launch", path], cwd=ROOT, stdin=subprocess.PIPE,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        _server.update(path=path, proc=proc)
-    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as conn:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        deadline = time.monotonic() + timeout
+class Forked:
+    """One launch on the server's forked ranks, their stdout and stderr appended to the files `out`
+    and `err`. The server replies three lines as the launch goes: the job's pid (it leads its own
+    process group), its ranks' pids, the exit code."""
+
+    def __init__(self, nproc, args, env, out, err, timeout):
+        if "path" not in _server or _server["proc"].poll() is not None:
+            path = os.path.join(tempfile.mkdtemp(prefix="rl-launch-"), "socket")
+            # the server reads its stdin to know when its worker is gone: at EOF it ends
+            proc = subprocess.Popen([sys.executable, "-m", "tests.launch", path], cwd=ROOT,
+                                    stdin=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            _server.update(path=path, proc=proc)
+        self.args, self.timeout, self.deadline = args, timeout, time.monotonic() + timeout
+        self.conn, self.reply, self.returncode = socket.socket(socket.AF_UNIX), b"", None
         while True:  # the server binds its socket once its imports are done
             try:
-                conn.connect(_server["path"])
+                self.conn.connect(_server["path"])
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 assert _server["proc"].poll() is None, "the launch server died while starting"
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
+                self._check_deadline()
                 time.sleep(0.1)
-        conn.sendall(pickle.dumps(dict(nproc=nproc, args=args, env=env, out=out, err=err)))
-        conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(max(1.0, deadline - time.monotonic()))
-        reply = b""
-        try:
-            while chunk := conn.recv(1 << 16):
-                reply += chunk
-        except socket.timeout:
-            if reply:  # the job's pid: it leads its own process group, all its ranks
-                os.killpg(int(reply.split(b"\n")[0]), signal.SIGKILL)
-            raise subprocess.TimeoutExpired(cmd, timeout) from None
-        code = int(reply.split(b"\n")[1])
-        read = [open(f, errors="replace").read() if os.path.exists(f) else "" for f in (out, err)]
-        return subprocess.CompletedProcess(cmd, code, *read)
+        self.conn.sendall(pickle.dumps(dict(nproc=nproc, args=args, env=env, out=out, err=err)))
+        self.conn.shutdown(socket.SHUT_WR)
+
+    def _lines(self, n, block=True):
+        """The reply's first n lines, reading until they are there (block) or what came so far."""
+        while self.reply.count(b"\n") < n:
+            self.conn.settimeout(max(0.01, self.deadline - time.monotonic()) if block else 0)
+            try:
+                chunk = self.conn.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except socket.timeout:
+                self._check_deadline()
+                continue
+            if not chunk:
+                raise RuntimeError(f"the launch server's job ended without a reply: {self.reply!r}")
+            self.reply += chunk
+        return self.reply.split(b"\n")[:n]
+
+    def _check_deadline(self):
+        if time.monotonic() > self.deadline:
+            self.kill()  # the job leads its own process group, all its ranks
+            self.conn.close()
+            raise subprocess.TimeoutExpired(self.args, self.timeout)
+
+    def kill(self):
+        if self.reply and self.returncode is None:
+            try:
+                os.killpg(int(self.reply.split(b"\n")[0]), signal.SIGKILL)
+            except ProcessLookupError:  # it ended already
+                pass
+
+    def ranks(self):
+        return dict(enumerate(map(int, self._lines(2)[1].split())))
+
+    def poll(self):
+        if self.returncode is None:
+            lines = self._lines(3, block=False)
+            if self.reply.count(b"\n") >= 3:
+                self.returncode = int(lines[2])
+                self.conn.close()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.deadline = min(self.deadline, time.monotonic() + timeout)
+        if self.returncode is None:
+            self.returncode = int(self._lines(3)[2])
+            self.conn.close()
+        return self.returncode
 
 
 def serve(path):
@@ -134,6 +204,7 @@ def _job(conn):
     for w in pipes:
         os.write(w, str(store.port).encode())
         os.close(w)
+    conn.sendall((" ".join(str(pid) for pid in ranks) + "\n").encode())  # in rank order
     code, left = 0, set(ranks)
     while left:
         pid, status = os.waitpid(-1, 0)

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from launch import start
 from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
@@ -30,18 +31,6 @@ def test_partial_checkpoints_are_ignored(tmp_path):
     assert [os.path.basename(p) for p in partial] == ["step_00000004.tmp", "step_00000006"]
 
 
-def workers(pid):
-    """The torchrun agent's worker processes: {local rank: pid}."""
-    out = {}
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        for child in map(int, f.read().split()):
-            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
-            rank = [e for e in env if e.startswith(b"LOCAL_RANK=")]
-            if rank:
-                out[int(rank[0].split(b"=")[1])] = child
-    return out
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The reference: 10 steps without interruption."""
@@ -61,15 +50,15 @@ def same_run(a, b):
 
 
 def start_and_kill_rank_1(cmd, run, log_path):
-    """Starts torchrun, waits for the first complete checkpoint, kill -9s local rank 1."""
-    log = open(log_path, "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """Starts the torchrun command line `cmd` (on forked ranks where it asks for nothing more than
+    --standalone --nproc-per-node: tests/launch.py start), waits for the first complete
+    checkpoint, kill -9s local rank 1."""
+    p = start(cmd, open(log_path, "w"))
     deadline = time.time() + 240
     while checkpoint.find(run)[0] is None:
         assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
         time.sleep(0.05)
-    os.kill(workers(p.pid)[1], signal.SIGKILL)
+    os.kill(p.ranks()[1], signal.SIGKILL)
     return p
 
 
@@ -113,14 +102,12 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", "train_grpo.py",
            *FLAGS, "--steps", "200", "--save-every", "0", "--run-dir", run]
-    log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = start(cmd, open(tmp_path / "run.log", "w"))
     deadline = time.time() + 240
     while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
         assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
         time.sleep(0.05)
-    for pid in workers(p.pid).values():  # what a scheduler's preemption notice does
+    for pid in p.ranks().values():  # what a scheduler's preemption notice does
         os.kill(pid, signal.SIGTERM)
     p.wait(timeout=120)
     path, _ = checkpoint.find(run)

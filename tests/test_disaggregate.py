@@ -184,7 +184,7 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
     rollout rank to stop: the job ends cleanly (vLLM's engine process included). native: 2
     trainers, staleness 1. vllm: 1 trainer, on-policy, the weights going into vLLM's worker over
     our gloo transfer after every step, so its log-probs stay the policy's."""
-    from test_checkpoint import workers
+    from launch import start
 
     from utils import checkpoint
 
@@ -193,15 +193,14 @@ def test_sigterm_in_disaggregate_saves_and_stops_every_rank(tmp_path, engine):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            "train_grpo.py", *no_eval(TINY), "--steps", "200", *DISAGG, "--max-staleness", ahead,
            "--save-every", "0", "--run-dir", run, "--engine", engine]
-    log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # vllm under torchrun itself: the rank starts vLLM's engine core, a process of its own
+    p = start(cmd, open(tmp_path / "run.log", "w"), fresh=engine == "vllm")
     try:
         deadline = time.time() + 240
         while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
             assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
             time.sleep(0.05)
-        for pid in workers(p.pid).values():
+        for pid in p.ranks().values():
             os.kill(pid, signal.SIGTERM)
         assert p.wait(timeout=90) == 0, open(tmp_path / "run.log").read()[-3000:]
     finally:
