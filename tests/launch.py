@@ -2,8 +2,8 @@
 
 `torchrun --standalone --nproc-per-node=N script.py ...` starts N + 1 interpreters: the agent
 imports torch, each rank torch and our modules (3.3 s and 5.1 s on this machine under a
-suite's load). Here one server per pytest worker imports them
-once (started by the first launch, gone with the worker). Per launch it forks a job process,
+suite's load; vLLM 5 s more). Here a server per pytest worker imports them once (started by
+the first launch, gone with the worker; a second one has vLLM imported, for launches that name it). Per launch it forks a job process,
 which forks the N ranks and, as torchrun's agent does, hosts their store (a TCPStore on a port
 the OS picks as it binds; TORCHELASTIC_USE_AGENT_STORE tells utils.dist.init to join it) and
 gives each rank torchrun's environment; a rank runs the script as `__main__`. Their stdout and
@@ -85,20 +85,22 @@ class Forked:
     process group), its ranks' pids, the exit code."""
 
     def __init__(self, nproc, args, env, out, err, timeout):
-        if "path" not in _server or _server["proc"].poll() is not None:
+        kind = "vllm" if any("vllm" in a for a in args) else "plain"  # a second server has vLLM imported
+        if kind not in _server or _server[kind]["proc"].poll() is not None:
             path = os.path.join(tempfile.mkdtemp(prefix="rl-launch-"), "socket")
             # the server reads its stdin to know when its worker is gone: at EOF it ends
-            proc = subprocess.Popen([sys.executable, "-m", "tests.launch", path], cwd=ROOT,
+            proc = subprocess.Popen([sys.executable, "-m", "tests.launch", path, kind], cwd=ROOT,
                                     stdin=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            _server.update(path=path, proc=proc)
+            _server[kind] = dict(path=path, proc=proc)
+        server = _server[kind]
         self.args, self.timeout, self.deadline = args, timeout, time.monotonic() + timeout
         self.conn, self.reply, self.returncode = socket.socket(socket.AF_UNIX), b"", None
         while True:  # the server binds its socket once its imports are done
             try:
-                self.conn.connect(_server["path"])
+                self.conn.connect(server["path"])
                 break
             except (FileNotFoundError, ConnectionRefusedError):
-                assert _server["proc"].poll() is None, "the launch server died while starting"
+                assert server["proc"].poll() is None, "the launch server died while starting"
                 self._check_deadline()
                 time.sleep(0.1)
         self.conn.sendall(pickle.dumps(dict(nproc=nproc, args=args, env=env, out=out, err=err)))
@@ -153,11 +155,11 @@ class Forked:
         return self.returncode
 
 
-def serve(path):
+def serve(path, kind):
     """The server: warm imports, then one forked job per connection, until stdin closes."""
     import importlib
 
-    for name in WARM:
+    for name in WARM + (["vllm", "utils.vllm_transfer", "vllm.lora.request"] if kind == "vllm" else []):
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the jobs
     listener = socket.socket(socket.AF_UNIX)
@@ -279,4 +281,4 @@ def _rank(job, rank, port):
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:])
