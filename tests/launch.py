@@ -1,14 +1,14 @@
 """The suite's torchrun: each launch's ranks forked from a warm process, not started afresh.
 
 `torchrun --standalone --nproc-per-node=N script.py ...` starts N + 1 interpreters: the agent
-imports torch, each rank torch and our modules (3.3 s and 5.1 s on this machine under a
-suite's load; vLLM 5 s more). Here a server per pytest worker imports them once (started by
-the first launch, gone with the worker; a second one has vLLM imported, for launches that name it). Per launch it forks a job process,
-which forks the N ranks and, as torchrun's agent does, hosts their store (a TCPStore on a port
-the OS picks as it binds; TORCHELASTIC_USE_AGENT_STORE tells utils.dist.init to join it) and
-gives each rank torchrun's environment; a rank runs the script as `__main__`. Their stdout and
-stderr each go to one file, as torchrun's children share its two pipes. A rank that fails
-brings the others down (SIGTERM, SIGKILL 10 s later), as torchrun's agent does.
+imports torch, each rank torch and our modules (3.3 s and 5.1 s on this machine under a suite's
+load; vLLM 5 s more). Here a server per pytest worker imports them once (started by the first
+launch, gone with the worker; a second has vLLM imported, for launches naming it). Per launch it
+forks a job process, which forks the N ranks and, as torchrun's agent does, hosts their store (a
+TCPStore on a port the OS picks as it binds; TORCHELASTIC_USE_AGENT_STORE tells utils.dist.init to
+join it) and gives each rank torchrun's environment; a rank runs the script as `__main__`. Their
+stdout and stderr each go to one file, as torchrun's children share its two pipes. A rank that
+fails brings the others down (SIGTERM, SIGKILL 10 s later), as torchrun's agent does.
 
 What a forked rank does not get: anything read at interpreter start-up (PYTHON* variables; of
 malloc's environment it gets MALLOC_MMAP_THRESHOLD_, through mallopt) and torchrun's own
