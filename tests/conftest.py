@@ -44,9 +44,9 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
 
 # the files with the longest tests or groups (a file whose tests share a fixture runs on one
 # worker as one block: test_flow_run ~95 s, test_lora ~100 s), longest first
-FIRST = ["test_vllm", "test_rebalance", "test_lora", "test_disaggregate", "test_flow_run", "test_checkpoint",
-         "test_memory", "test_tools_run", "test_train_ppo", "test_train_grpo", "test_vllm_vision", "test_fsdp",
-         "test_dynamic_sampling", "test_vl_run"]
+FIRST = ["test_vllm", "test_rebalance", "test_lora", "test_disaggregate", "test_flow_run",
+         "test_checkpoint", "test_memory", "test_tools_run", "test_train_ppo", "test_train_grpo",
+         "test_vllm_vision", "test_fsdp", "test_dynamic_sampling", "test_vl_run"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks into node ids
