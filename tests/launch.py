@@ -176,12 +176,15 @@ def serve(path, kind):
             sys.stderr.flush()
             if os.fork() == 0:
                 listener.close()
-                _job(conn)
+                try:
+                    _job(conn)
+                finally:  # never back into this loop (a test gone before its reply: a broken pipe)
+                    os._exit(1)
             conn.close()
 
 
 def _job(conn):
-    """One launch: fork the ranks, host their store, wait; reply `pid\\nexit code\\n`."""
+    """One launch: fork the ranks, host their store, wait; reply `pid\\nrank pids\\nexit code\\n`."""
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     conn.sendall(f"{os.getpid()}\n".encode())
