@@ -55,7 +55,7 @@ def start(cmd, log, timeout=240, fresh=False):
     wait and kill, and `ranks()`, {local rank: pid}: a Popen of torchrun itself where the line
     asks for more than --standalone --nproc-per-node (restarts, say) or `fresh`, else forked ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nproc = cmd[4].removeprefix("--nproc-per-node=")
+    nproc = cmd[4].removeprefix("--nproc-per-node=") if len(cmd) > 5 else ""
     if cmd[2:4] != ["torch.distributed.run", "--standalone"] or not nproc.isdigit() or \
             cmd[5].startswith("-") or fresh or os.environ.get("RL_TEST_FORK") == "0":
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -85,7 +85,8 @@ class Forked:
     process group), its ranks' pids, the exit code."""
 
     def __init__(self, nproc, args, env, out, err, timeout):
-        kind = "vllm" if any("vllm" in a for a in args) else "plain"  # a second server has vLLM imported
+        named = any(a == "vllm" or os.path.basename(a).startswith("vllm") for a in args)  # --engine vllm,
+        kind = "vllm" if named else "plain"  # a vllm_* helper: a second server has vLLM imported
         if kind not in _server or _server[kind]["proc"].poll() is not None:
             path = os.path.join(tempfile.mkdtemp(prefix="rl-launch-"), "socket")
             # the server reads its stdin to know when its worker is gone: at EOF it ends
@@ -129,7 +130,7 @@ class Forked:
             raise subprocess.TimeoutExpired(self.args, self.timeout)
 
     def kill(self):
-        if self.reply and self.returncode is None:
+        if b"\n" in self.reply and self.reply.count(b"\n") < 3:  # its pid came, its exit code not yet
             try:
                 os.killpg(int(self.reply.split(b"\n")[0]), signal.SIGKILL)
             except ProcessLookupError:  # it ended already
@@ -147,8 +148,8 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout=None):
-        if timeout is not None:
-            self.deadline = min(self.deadline, time.monotonic() + timeout)
+        if timeout is not None:  # as Popen.wait: from now
+            self.deadline = time.monotonic() + timeout
         if self.returncode is None:
             self.returncode = int(self._lines(3)[2])
             self.conn.close()
@@ -178,7 +179,9 @@ def serve(path, kind):
                 listener.close()
                 try:
                     _job(conn)
-                finally:  # never back into this loop (a test gone before its reply: a broken pipe)
+                finally:  # never back into this loop (a test gone before its reply: a broken pipe),
+                    if os.getpgid(0) == os.getpid():  # and no rank left behind
+                        os.killpg(0, signal.SIGKILL)
                     os._exit(1)
             conn.close()
 

@@ -56,7 +56,9 @@ def start_and_kill_rank_1(cmd, run, log_path):
     p = start(cmd, open(log_path, "w"))
     deadline = time.time() + 240
     while checkpoint.find(run)[0] is None:
-        assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+        if p.poll() is not None or time.time() > deadline:
+            p.kill()
+            raise AssertionError(open(log_path).read()[-3000:])
         time.sleep(0.05)
     os.kill(p.ranks()[1], signal.SIGKILL)
     return p
@@ -103,13 +105,16 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
            "--nproc-per-node=2", "train_grpo.py",
            *FLAGS, "--steps", "200", "--save-every", "0", "--run-dir", run]
     p = start(cmd, open(tmp_path / "run.log", "w"))
-    deadline = time.time() + 240
-    while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
-        assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
-        time.sleep(0.05)
-    for pid in p.ranks().values():  # what a scheduler's preemption notice does
-        os.kill(pid, signal.SIGTERM)
-    p.wait(timeout=120)
+    try:
+        deadline = time.time() + 240
+        while not os.path.exists(os.path.join(run, "metrics.jsonl")) or len(metrics(run)) < 3:
+            assert p.poll() is None and time.time() < deadline, open(tmp_path / "run.log").read()[-3000:]
+            time.sleep(0.05)
+        for pid in p.ranks().values():  # what a scheduler's preemption notice does
+            os.kill(pid, signal.SIGTERM)
+        p.wait(timeout=120)
+    finally:
+        p.kill()
     path, _ = checkpoint.find(run)
     assert path is not None, open(tmp_path / "run.log").read()[-3000:]
     steps_done = int(os.path.basename(path).split("_")[1])
