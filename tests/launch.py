@@ -85,8 +85,8 @@ class Forked:
     process group), its ranks' pids, the exit code."""
 
     def __init__(self, nproc, args, env, out, err, timeout):
-        named = any(a == "vllm" or os.path.basename(a).startswith("vllm") for a in args)  # --engine vllm,
-        kind = "vllm" if named else "plain"  # a vllm_* helper: a second server has vLLM imported
+        # `--engine vllm` or a vllm_* helper: from a second server, which has vLLM imported
+        kind = "vllm" if any(a == "vllm" or os.path.basename(a).startswith("vllm") for a in args) else "plain"
         if kind not in _server or _server[kind]["proc"].poll() is not None:
             path = os.path.join(tempfile.mkdtemp(prefix="rl-launch-"), "socket")
             # the server reads its stdin to know when its worker is gone: at EOF it ends
@@ -141,10 +141,9 @@ class Forked:
 
     def poll(self):
         if self.returncode is None:
-            lines = self._lines(3, block=False)
+            self._lines(3, block=False)  # what has come so far
             if self.reply.count(b"\n") >= 3:
-                self.returncode = int(lines[2])
-                self.conn.close()
+                self.wait()  # the exit code is there: no waiting
         return self.returncode
 
     def wait(self, timeout=None):
