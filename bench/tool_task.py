@@ -69,8 +69,9 @@ class Timed:
 
 def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tuple[list[dict], list]:
     """Episodes (tools on, temperature 1) against single-turn generation of the same prompts
-    and budget, native engine, this process on all cores: episodes/s and model tokens/s; and the
-    best round's requests, turn by turn (each turn prefills its episodes' whole context again)."""
+    and budget, native engine, this process on all cores: episodes/s and model tokens/s, with each
+    turn's prefill after the KV cache kept from the turn before (the default) and whole; and the
+    best round's requests, turn by turn."""
     import torch
 
     from utils.data import Tokenizer, multiply_rows
@@ -87,9 +88,12 @@ def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tu
     timed = Timed(engine)
     episodes = Episodes(timed, cfg, tok, rows, 96)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=96)
-    out, turns = [], []
-    for name, eng, p in [("single-turn", engine, SamplingParams(n=n, temperature=1.0, max_new_tokens=48)),
-                         ("episodes (tools)", episodes, params)]:
+    out, turns = [], {}
+    for name, eng, p, keep in [
+            ("single-turn", engine, SamplingParams(n=n, temperature=1.0, max_new_tokens=48), False),
+            ("episodes (tools)", episodes, params, True),
+            ("episodes, each turn prefilled whole", episodes, params, False)]:
+        engine.keep_prefixes = keep  # on: a turn prefills only what follows the last turn's KV cache
         best = None
         for r in range(rounds):
             timed.calls = []
@@ -104,8 +108,7 @@ def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tu
                      "calling": float((got.episode["tool_calls"] > 0).float().mean()) if got.episode else 0.0}
             if best is None or dt < best["s"]:
                 best = stats
-                if eng is episodes:
-                    turns = list(timed.calls)
+                turns[name] = list(timed.calls)
         out.append(best)
     episodes.close()
     return out, turns
@@ -136,6 +139,7 @@ if __name__ == "__main__":
         for r in rows:
             print(f"{r['mode']:<36} {r['s']:>6.2f} {r['episodes_per_s']:>11.1f} "
                   f"{r['model_tokens_per_s']:>12.0f} {r['turns']:>6.2f} {r['calling']:>8.2f}")
-        for turn, context, made, seconds in turns:
-            print(f"  episodes' request {turn}: {context} context tokens prefilled, {made} generated, "
-                  f"{seconds:.2f} s")
+        for name in rows[1]["mode"], rows[2]["mode"]:
+            print(f"  {name}:")
+            for turn, context, made, seconds in turns[name]:
+                print(f"    request {turn}: {context} context tokens, {made} generated, {seconds:.2f} s")

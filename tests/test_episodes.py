@@ -307,6 +307,39 @@ def test_env_tokens_get_no_gradient_and_engine_logprobs_match_the_trainers_acros
     assert torch.equal(x.grad, y.grad)
 
 
+def test_turns_prefilled_after_the_kept_cache_are_the_turns_prefilled_whole(monkeypatch):
+    """assets/tool-tiny (it calls the tool on ~1 sample in 5) plays sampled episodes of
+    builtin:multiply with the tool run for real, each turn prefilled after the KV cache the engine
+    kept from the turn before (Episodes sets keep_prefixes), and again with every turn prefilled
+    whole: the same episodes, token for token, and log-probs within 1e-5 (the kept keys were made
+    by the decode step: the same math in another order, tests/test_rollout.py)."""
+    from utils.decode import KeptPrefixes
+    from utils.model import iter_checkpoint, read_config
+
+    model = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tool-tiny")
+    tok = Tokenizer(model)
+    cfg = EnvArgs(tools=("utils.env:multiply",))
+    cfg.check()
+    rows = tokenize(multiply_rows("eval")[:8], tok, cfg, 32)[0]
+    seeds = list(range(len(rows)))
+    filled, fill = [], KeptPrefixes.fill  # per request after the first: (columns prefilled, prompts' width)
+    monkeypatch.setattr(KeptPrefixes, "fill",
+                        lambda self, p, c: filled.append((fill(self, p, c), c.k.shape[3])) or filled[-1][0])
+    outs = []
+    for keep in (True, False):
+        engine = NativeEngine(read_config(model), tok)
+        engine.load_weights(iter_checkpoint(model))
+        eps = Episodes(engine, cfg, tok, rows, 96)
+        engine.keep_prefixes = keep
+        outs.append(eps.generate([r["ids"] for r in rows], SamplingParams(n=4, max_new_tokens=96), seeds))
+        eps.close()
+    a, b = outs
+    assert (a.episode["turns"] >= 2).sum() >= 4, a.episode["turns"]  # episodes that went on after a reply
+    assert filled and all(s < width for s, width in filled), filled
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.model_mask, b.model_mask)
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
 def call_turn(tok, prompt, n):
     """n copies of a first turn that calls multiply on the prompt's numbers (log-probs 0: not compared)."""
     a, b = tok.tok.decode(prompt, skip_special_tokens=True).split("\n")[1].rstrip("=").split("*")

@@ -79,6 +79,38 @@ def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(de
     assert (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
+def test_a_request_that_extends_the_last_ones_rows_prefills_only_what_is_new(decode_model, decode_weights,
+                                                                            monkeypatch):
+    """keep_prefixes (multi-turn episodes): a second request whose prompts extend the first's rows
+    (each row's prompt and completion, then 1-4 tokens of a reply) takes their kept keys and
+    values and prefills only the new columns, and samples what an engine prefilling every prompt
+    whole samples. A brand-new prompt in the same request is prefilled whole. The kept keys and
+    values were made by the decode step, the whole prefill's by the prefill: the same math summed
+    in another order, so the log-probs agree to 1e-5 (as for the static step above), the tokens
+    exactly unless two probabilities tie within it."""
+    from utils.decode import KeptPrefixes
+
+    path, _ = decode_model
+    kept, whole = engine_for(path), engine_for(path)
+    kept.keep_prefixes = True
+    ps = prompts(kept.tok, 4)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+    first = kept.generate(ps, sp, [5, 6, 7, 8])
+    reply = kept.tok.encode(" and 12 more")
+    nxt = [ps[r // 2] + first.tokens[r, :first.lengths[r]].tolist() + reply[:1 + r % 4] for r in range(8)]
+    nxt.insert(3, ps[1][:2])  # a prompt that extends no row
+    filled, fill = [], KeptPrefixes.fill  # the columns each request left to prefill
+    monkeypatch.setattr(KeptPrefixes, "fill", lambda self, *a: filled.append(fill(self, *a)) or filled[-1])
+    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=8)
+    a, b = kept.generate(nxt, sp, list(range(9))), whole.generate(nxt, sp, list(range(9)))
+    assert filled == [5]  # the longest reply and the model's last token; the new prompt's 2 tokens fit in it
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    assert kept.kept is not None and whole.kept is None  # and a weight load drops it (the old weights')
+    kept.load_weights(iter_checkpoint(path))
+    assert kept.kept is None
+
+
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
 def test_sampled_logprobs_equal_full_forward(decode_model, temperature, top_p, top_k, decode_weights):
     path, ref = decode_model

@@ -310,6 +310,45 @@ def _fuse(params):
     return fused
 
 
+class KeptPrefixes:
+    """A `generate`'s KV cache, kept for the next request (NativeEngine.keep_prefixes: multi-turn
+    episodes, utils/episodes.py). A prompt that extends a kept row's tokens takes that row's keys
+    and values for them, and only the rest is prefilled: an episode's next turn prefills the
+    model's last token and the environment's reply, not the whole history again (vLLM's prefix
+    caching does the same by blocks). Row r of `cache` holds prompt r // n right-aligned to column P
+    and its completion from column P; its last sampled token was never fed, so it has no keys."""
+
+    def __init__(self, cache: KVCache, prompts: list[list[int]], n: int, tokens: list, lengths: list):
+        self.cache, P = cache, max(map(len, prompts))
+        self.rows = {}  # the token ids a row has keys for -> (row, its first column)
+        for r, (row, length) in enumerate(zip(tokens, lengths)):
+            p = prompts[r // n]
+            self.rows[tuple(p) + tuple(row[:length - 1])] = (r, P - len(p))
+        self.lengths = sorted({len(ids) for ids in self.rows}, reverse=True)
+
+    def fill(self, prompts: list[list[int]], cache: KVCache) -> int:
+        """Writes into `cache` (the new request's prompt cache, prompts right-aligned to its width P)
+        the kept keys and values of each prompt's longest kept prefix, short of its last token (its
+        logits are needed); sets cache.pos and returns S: the last S columns are left to prefill."""
+        P = cache.k.shape[3]
+        found = []  # per prompt: (kept tokens, (row, first column) or None)
+        for p in prompts:
+            ids = tuple(p)
+            found.append(next(((n, self.rows[ids[:n]]) for n in self.lengths if n < len(p) and
+                               ids[:n] in self.rows), (0, None)))
+        S = max(len(p) - n for p, (n, _) in zip(prompts, found))
+        cache.k[..., :P - S, :].zero_()  # the padding's slots: masked, but 0 * NaN would be NaN
+        cache.v[..., :P - S, :].zero_()
+        for i, (p, (_, at)) in enumerate(zip(prompts, found)):
+            take = len(p) - S  # > 0: this prompt's tokens in the columns before the prefilled ones
+            if take > 0:
+                r, c = at
+                for new, old in ((cache.k, self.cache.k), (cache.v, self.cache.v)):  # [layers, B, KV, L, D]
+                    new[:, i, :, P - len(p):P - S] = old[:, r, :, c:c + take]
+        cache.pos = P - S
+        return S
+
+
 class GraphedStep:
     """`FusedDecoder.decode` replayed as one CUDA graph per token (on a GPU, without --gen-tp).
     At batch 64 a decode step's matmuls are small and the GPU waits on the CPU's ~15 kernel

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from utils.errors import UserError
-from utils.decode import FusedDecoder, GraphedStep, SamplingParams, sample_tokens, sample_uniforms
+from utils.decode import (FusedDecoder, GraphedStep, KeptPrefixes, SamplingParams, sample_tokens,
+                          sample_uniforms)
 from utils.model import KVCache, ModelConfig, attention_mask, build, load_state, positions_from, read_config
 
 __all__ = ["Samples", "Engine", "NativeEngine", "VLLMEngine", "SamplingParams", "make_engine"]
@@ -78,8 +79,12 @@ class Samples:
 
 class Engine:
     """What local engines share: `version` of the loaded weights (set by placement.sync), and
-    submit/result/collect that simply generate now (only a remote engine runs in the background)."""
+    submit/result/collect that simply generate now (only a remote engine runs in the background).
+    keep_prefixes: keep what the last `generate` computed, for a next request that extends its rows
+    (multi-turn episodes set it; the native engine then prefills only each episode's new tokens,
+    vLLM's prefix caching does it on its own)."""
     version = 0
+    keep_prefixes = False
 
     def submit(self, prompts, params, seeds):
         return self.generate(prompts, params, seeds)
@@ -124,7 +129,7 @@ class NativeEngine(Engine):
         """tp_group (--gen-tp): cfg is this rank's part of the model (utils/tp.py), the group its own."""
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
         self.tp_group = tp_group
-        self.model = self.decoder = self.lora = None
+        self.model = self.decoder = self.lora = self.kept = None
         self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
         self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
 
@@ -134,7 +139,7 @@ class NativeEngine(Engine):
             self.model = build(self.cfg, self.device, self.dtype).eval().requires_grad_(False)
             self.decoder = FusedDecoder(self.model, self.tp_group)  # shares the model's storage
         self.needs_prepare = True  # first: a load that fails halfway must not leave old packed weights in use
-        self.lora = None
+        self.lora = self.kept = None  # (a kept KV cache is of the old weights)
         load_state(self.model, weights)
 
     def load_adapters(self, adapters, scales: dict):
@@ -146,11 +151,12 @@ class NativeEngine(Engine):
             prefix, _, leaf = name.rpartition(".")
             held.setdefault(prefix, {})[leaf] = t.to(self.device, copy=True)
         self.lora = {prefix: (ab["lora_A"], ab["lora_B"], scales[prefix]) for prefix, ab in held.items()}
-        self.needs_prepare = True
+        self.needs_prepare, self.kept = True, None
 
     def release(self):
         """Drop weights (the KV cache lives only inside generate); with LoRA adapters, only the
         merged copies: the base stays for the adapters of the next sync."""
+        self.kept = None
         if self.lora is not None:
             self.decoder.release()
             self.needs_prepare = True
@@ -181,14 +187,18 @@ class NativeEngine(Engine):
             self.needs_prepare = False
         # prefill once per prompt, then copy its cache to its n samples' rows
         prompt_cache = KVCache(self.cfg, B0, P, dev, self.dtype)
-        cache = KVCache(self.cfg, N, P + T, dev, self.dtype)
         pos, embeds = positions_from(valid), None  # [B0, P]
         next_pos = pos[:, -1] + 1  # [B0] where decoding goes on
         if self.cfg.vision is not None:  # Qwen2-VL: image features at the image pads, M-RoPE positions
             from utils.vl_model import prompt_inputs
 
             embeds, pos, next_pos = prompt_inputs(self.model, prompts, tokens, valid)  # pos [3, B0, P]
-        logits = self.decoder(tokens, pos, attention_mask(valid), prompt_cache, embeds)  # [B0, V]
+        # the last S columns to prefill: all, or (an episode's next turn) what follows a kept prefix
+        S = self.kept.fill(prompts, prompt_cache) if self.kept is not None and embeds is None else P
+        self.kept = None
+        logits = self.decoder(tokens[:, P - S:], pos[..., P - S:], attention_mask(valid, S), prompt_cache,
+                              embeds)  # [B0, V]
+        cache = KVCache(self.cfg, N, P + T, dev, self.dtype)
         # k, v: [layers, N or B0, KV, L, D]
         for full, prompt in ((cache.k, prompt_cache.k), (cache.v, prompt_cache.v)):
             full.unflatten(1, (B0, n))[..., :P, :] = prompt[:, :, None]
@@ -231,6 +241,8 @@ class NativeEngine(Engine):
         if params.stop:
             texts = [_cut(t, params.stop) for t in texts]
         reasons = ["stop" if f else "length" for f in done.tolist()]
+        if self.keep_prefixes:
+            self.kept = KeptPrefixes(cache, prompts, n, out_tok.tolist(), lengths.tolist())
         return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts, self.version)
 
     def _hit_stop(self, so_far, skip, stop):

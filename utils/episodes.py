@@ -17,9 +17,10 @@ episode token for token: `check_template` refuses it before the run, and an epis
 it anyway ends there ("template").
 
 Each turn is one batched `generate` of all this rank's live episodes (the first turn is the
-prompts' own request, n samples each); finished episodes leave the batch. Budgets: --max-turns,
---max-turn-tokens a model turn, --max-tool-tokens an environment message, --max-new-tokens the
-whole episode after the prompt (the model's and the environment's tokens).
+prompts' own request, n samples each); finished episodes leave the batch. The engine keeps each
+request's KV cache for the next (`keep_prefixes`): a turn prefills only the tokens added since.
+Budgets: --max-turns, --max-turn-tokens a model turn, --max-tool-tokens an environment message,
+--max-new-tokens the whole episode after the prompt (the model's and the environment's tokens).
 """
 import random
 from collections import Counter
@@ -159,6 +160,7 @@ class Episodes(Engine):
         self.starts = {tuple(r["ids"]): r for r in rows}
         self.eos = set(tok.eos_ids)
         check_template(tok, self.tools)
+        engine.keep_prefixes = True  # a turn extends the last turn's rows: it prefills the new tokens only
 
     def __getattr__(self, name):  # load_weights, release, receive_weights, backend, ...: the engine's
         if name == "engine":  # not set yet (during __init__ or a copy)
