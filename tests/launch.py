@@ -64,6 +64,27 @@ def start(cmd, log, timeout=240, fresh=False):
     return Forked(int(nproc), cmd[5:], env, log.name, log.name, timeout)
 
 
+def helper(args, out, err, timeout=300):
+    """A script of tests/helpers (its path, then its arguments), as `python SCRIPT ...` would run
+    it, its stdout and stderr to the open named files `out` and `err`: one forked rank (a world of
+    one, torchrun's environment; a vllm_* script from the server with vLLM imported, which saves
+    each its 5-10 s of imports), or with RL_TEST_FORK=0 a fresh interpreter. Returns what has
+    Popen's wait, kill and returncode (a killed job: its process group, vLLM's processes too)."""
+    if os.environ.get("RL_TEST_FORK") == "0":
+        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=err,
+                             start_new_session=True)
+        p.kill = lambda: _killpg(p.pid)
+        return p
+    return Forked(1, list(args), dict(os.environ), out.name, err.name, timeout)
+
+
+def _killpg(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended already
+        pass
+
+
 def torchrun_workers(pid):
     """The torchrun agent `pid`'s worker processes: {local rank: pid}."""
     out = {}
@@ -131,10 +152,7 @@ class Forked:
 
     def kill(self):
         if b"\n" in self.reply and self.reply.count(b"\n") < 3:  # its pid came, its exit code not yet
-            try:
-                os.killpg(int(self.reply.split(b"\n")[0]), signal.SIGKILL)
-            except ProcessLookupError:  # it ended already
-                pass
+            _killpg(int(self.reply.split(b"\n")[0]))
 
     def ranks(self):
         return dict(enumerate(map(int, self._lines(2)[1].split())))

@@ -5,14 +5,13 @@ import ast
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 import pytest
 import torch
+from launch import helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -110,25 +109,25 @@ def vision(tmp_path_factory):
         weight.copy_(changed)
         model.save_pretrained(os.path.join(d, "perturbed"))
         weight.copy_(original)
-    helper, run = None, {}
+    proc, run = None, {}
     if importlib.util.find_spec("vllm") is not None:  # vLLM runs while transformers makes the references
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        helper = subprocess.Popen([sys.executable, "tests/helpers/vllm_vision_check.py", d], cwd=ROOT,
-                                  stdout=out, stderr=err, text=True, start_new_session=True)
+        out, err = tempfile.NamedTemporaryFile("w+"), tempfile.NamedTemporaryFile("w+")
+        proc = helper(["tests/helpers/vllm_vision_check.py", d], out, err)
     try:
         ref = [hf_greedy(model, p, x, image_token) for p, x in zip(prompts, inputs)]
         with torch.no_grad():
             weight.copy_(changed)
         ref_perturbed = [hf_greedy(model, p, x, image_token) for p, x in zip(prompts, inputs)]
-        if helper is not None:
-            helper.wait(timeout=300)
+        if proc is not None:
+            proc.wait(timeout=300)
     finally:
-        if helper is not None and helper.poll() is None:  # it and vLLM's processes (its session)
-            os.killpg(helper.pid, signal.SIGKILL)
-    if helper is not None:
+        if proc is not None:  # if it still runs: it and vLLM's processes
+            proc.kill()
+    if proc is not None:
         out.seek(0), err.seek(0)
-        assert helper.returncode == 0, err.read()[-3000:]
-        run = json.loads(out.read().strip().splitlines()[-1])
+        assert proc.returncode == 0, err.read()[-3000:]
+        # the JSON it printed last (vLLM's processes may log after it)
+        run = json.loads([line for line in out.read().splitlines() if line.startswith("{")][-1])
     return dict(dir=d, prompts=prompts, ref=ref, ref_perturbed=ref_perturbed, **run)
 
 
