@@ -79,6 +79,29 @@ def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(de
     assert (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
+def test_finished_rows_leave_the_batch_and_the_others_generate_as_if_they_stayed(decode_model,
+                                                                                 decode_weights):
+    """Once half the batch has finished, the eager step sheds finished rows (rows, their cache,
+    mask and positions), down to a power of two. Every third token made an end of sequence, so rows end at many
+    different steps; against the static step (a CUDA graph's fixed shapes, run eagerly here), which
+    keeps every row to the end: the same tokens and lengths, log-probs within 1e-5 (the same math on
+    fewer rows, as above)."""
+    path, _ = decode_model
+    shed, whole = engine_for(path), engine_for(path)
+    whole.graphs = ("cpu",)
+    for e in (shed, whole):
+        e.eos = torch.arange(0, e.cfg.vocab_size, 3)
+    sizes, decode = [], shed.decoder.decode  # the batch of each decode step
+    shed.decoder.decode = lambda tokens, *a: sizes.append(len(tokens)) or decode(tokens, *a)
+    ps = prompts(shed.tok)
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=16)
+    a, b = shed.generate(ps, sp, list(range(6))), whole.generate(ps, sp, list(range(6)))
+    assert sizes[0] == 24 and min(sizes) < 12, sizes  # it shed, at least once
+    assert all(n & (n - 1) == 0 for n in sizes if n != 24), sizes
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
 def test_a_request_that_extends_the_last_ones_rows_prefills_only_what_is_new(decode_model, decode_weights,
                                                                             monkeypatch):
     """keep_prefixes (multi-turn episodes): a second request whose prompts extend the first's rows
@@ -93,6 +116,8 @@ def test_a_request_that_extends_the_last_ones_rows_prefills_only_what_is_new(dec
     path, _ = decode_model
     kept, whole = engine_for(path), engine_for(path)
     kept.keep_prefixes = True
+    for e in (kept, whole):  # every fourth token ends a row: rows end apart, and the batch sheds them
+        e.eos = torch.arange(0, e.cfg.vocab_size, 4)
     ps = prompts(kept.tok, 4)
     sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
     first = kept.generate(ps, sp, [5, 6, 7, 8])

@@ -315,15 +315,16 @@ class KeptPrefixes:
     episodes, utils/episodes.py). A prompt that extends a kept row's tokens takes that row's keys
     and values for them, and only the rest is prefilled: an episode's next turn prefills the
     model's last token and the environment's reply, not the whole history again (vLLM's prefix
-    caching does the same by blocks). Row r of `cache` holds prompt r // n right-aligned to column P
-    and its completion from column P; its last sampled token was never fed, so it has no keys."""
+    caching does the same by blocks). Sample r's keys and values are row `where[r]` of the cache
+    (k, v) it was in when it finished (the batch sheds finished rows), prompt r // n right-aligned
+    to column P, its completion from column P; its last sampled token was never fed: no keys."""
 
-    def __init__(self, cache: KVCache, prompts: list[list[int]], n: int, tokens: list, lengths: list):
-        self.cache, P = cache, max(map(len, prompts))
-        self.rows = {}  # the token ids a row has keys for -> (row, its first column)
+    def __init__(self, where: list, prompts: list[list[int]], n: int, tokens: list, lengths: list):
+        P = max(map(len, prompts))
+        self.rows = {}  # the token ids a sample has keys for -> ((k, v, row), its first column)
         for r, (row, length) in enumerate(zip(tokens, lengths)):
             p = prompts[r // n]
-            self.rows[tuple(p) + tuple(row[:length - 1])] = (r, P - len(p))
+            self.rows[tuple(p) + tuple(row[:length - 1])] = (where[r], P - len(p))
         self.lengths = sorted({len(ids) for ids in self.rows}, reverse=True)
 
     def fill(self, prompts: list[list[int]], cache: KVCache) -> int:
@@ -331,7 +332,7 @@ class KeptPrefixes:
         the kept keys and values of each prompt's longest kept prefix, short of its last token (its
         logits are needed); sets cache.pos and returns S: the last S columns are left to prefill."""
         P = cache.k.shape[3]
-        found = []  # per prompt: (kept tokens, (row, first column) or None)
+        found = []  # per prompt: (kept tokens, ((k, v, row), first column) or None)
         for p in prompts:
             ids = tuple(p)
             found.append(next(((n, self.rows[ids[:n]]) for n in self.lengths if n < len(p) and
@@ -342,8 +343,8 @@ class KeptPrefixes:
         for i, (p, (_, at)) in enumerate(zip(prompts, found)):
             take = len(p) - S  # > 0: this prompt's tokens in the columns before the prefilled ones
             if take > 0:
-                r, c = at
-                for new, old in ((cache.k, self.cache.k), (cache.v, self.cache.v)):  # [layers, B, KV, L, D]
+                (k, v, r), c = at
+                for new, old in ((cache.k, k), (cache.v, v)):  # [layers, B, KV, L, D]
                     new[:, i, :, P - len(p):P - S] = old[:, r, :, c:c + take]
         cache.pos = P - S
         return S

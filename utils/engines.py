@@ -154,7 +154,7 @@ class NativeEngine(Engine):
         self.needs_prepare, self.kept = True, None
 
     def release(self):
-        """Drop weights (the KV cache lives only inside generate); with LoRA adapters, only the
+        """Drop weights and a kept KV cache (`keep_prefixes`); with LoRA adapters, only the
         merged copies: the base stays for the adapters of the next sync."""
         self.kept = None
         if self.lora is not None:
@@ -216,22 +216,39 @@ class NativeEngine(Engine):
             step = GraphedStep(self.decoder, cache, bias)
         out_tok = torch.zeros(N, T, dtype=torch.long, device=dev)
         out_lp = torch.zeros(N, T, dtype=torch.float32, device=dev)
-        done = torch.zeros(N, dtype=torch.bool, device=dev)
+        done = torch.zeros(N, dtype=torch.bool, device=dev)  # per sample
         lengths = torch.full((N,), T, dtype=torch.long, device=dev)
+        rows = torch.arange(N, device=dev)  # the batch's rows: which samples they are
+        where = [None] * N  # keep_prefixes: per sample, the cache (k, v) and row that hold its keys
         for t in range(T):
-            tok, lp = sample_tokens(logits, params, u[:, t])
+            tok, lp = sample_tokens(logits, params, u[rows, t])
             if self.tp_group is not None:  # --gen-tp: the group's first rank's tokens, so that the
                 torch.distributed.broadcast(tok, group=self.tp_group, group_src=0)  # ranks stay in step
-            out_tok[:, t], out_lp[:, t] = tok, lp
-            finished = ~done & torch.isin(tok, self.eos)
+            out_tok[rows, t], out_lp[rows, t] = tok, lp
+            finished = ~done[rows] & torch.isin(tok, self.eos)  # [rows]
             if params.stop:
-                finished |= self._hit_stop(out_tok[:, :t + 1], done | finished, params.stop)
-            lengths.masked_fill_(finished, t + 1)
-            done |= finished
-            if t == T - 1 or bool(done.all()):
+                finished |= self._hit_stop(out_tok[rows, :t + 1], done[rows] | finished, params.stop)
+            lengths[rows[finished]] = t + 1
+            done[rows[finished]] = True
+            going = ~done[rows]  # [rows]
+            left = int(going.sum())
+            if t == T - 1 or left == 0:
                 break
-            # rows that are done still run (their new slot masked) to keep the batch whole
-            bias[:, 0, P + t].masked_fill_(~done, 0)
+            if 2 * left <= len(rows) and not isinstance(step, GraphedStep):
+                # half the batch is done: shed finished rows (a CUDA graph keeps its shapes), down to
+                # a power of two (oneDNN keeps state per batch size it sees: ~0.5 MB per 4 MB weight)
+                size = 1 << (left - 1).bit_length()
+                keep = torch.cat([going.nonzero()[:, 0], (~going).nonzero()[:size - left, 0]]).sort().values
+                if self.keep_prefixes:  # the shed rows' keys stay in this cache, for the next request
+                    _held(where, rows, cache)
+                    cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]  # [layers, rows, KV, L, D]
+                else:  # in place, no second cache: rows only move toward the front (keep is sorted)
+                    for j, i in enumerate(keep.tolist()):
+                        cache.k[:, j], cache.v[:, j] = cache.k[:, i], cache.v[:, i]
+                    cache.k, cache.v = cache.k[:, :size], cache.v[:, :size]
+                rows, tok, next_pos, bias, going = (x[keep] for x in (rows, tok, next_pos, bias, going))
+            # finished rows not yet shed still run (their new slot masked)
+            bias[:, 0, P + t].masked_fill_(going, 0)
             logits = step(tok, next_pos, bias[:, :, :P + t + 1], cache)
             next_pos += 1
         Tmax = int(lengths.max())
@@ -242,7 +259,8 @@ class NativeEngine(Engine):
             texts = [_cut(t, params.stop) for t in texts]
         reasons = ["stop" if f else "length" for f in done.tolist()]
         if self.keep_prefixes:
-            self.kept = KeptPrefixes(cache, prompts, n, out_tok.tolist(), lengths.tolist())
+            where = _held(where, rows, cache)
+            self.kept = KeptPrefixes(where, prompts, n, out_tok.tolist(), lengths.tolist())
         return Samples(out_tok.cpu(), out_lp.float().cpu(), lengths.cpu(), reasons, texts, self.version)
 
     def _hit_stop(self, so_far, skip, stop):
@@ -254,6 +272,13 @@ class NativeEngine(Engine):
             for r, text in zip(rows, texts):
                 hit[r] = any(s in text for s in stop)
         return hit
+
+
+def _held(where: list, rows, cache: KVCache) -> list:
+    """where[sample] = (k, v, row): where the batch's rows keep their samples' keys and values."""
+    for i, r in enumerate(rows.tolist()):
+        where[r] = (cache.k, cache.v, i)
+    return where
 
 
 class VLLMEngine(Engine):

@@ -21,7 +21,9 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
   (the head's log-probs run in chunks of rows: algos.head_logprobs).
 - generate: the engine's full copy of the weights in p; on CPU in fp32 the native engine's
   oneDNN-packed decode copy (`FusedDecoder.prepare`: the same size again); its KV cache
-  [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p. vLLM on a GPU instead
+  [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p (finished rows leave it in
+  place; episodes: the turn before's, kept with the part it shed, lives until its keys are copied
+  into the next turn's prompt cache, up to 2x). vLLM on a GPU instead
   takes its `gpu_memory_utilization` share of the device. With LoRA the native engine keeps
   its base copy for the run (held), and generation adds the merged copy of the adapted weights.
 - judge (GRPO, an engine judge): the same for the judge model, at its own phase.
