@@ -82,10 +82,10 @@ def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(de
 def test_finished_rows_leave_the_batch_and_the_others_generate_as_if_they_stayed(decode_model,
                                                                                  decode_weights):
     """Once half the batch has finished, the eager step sheds finished rows (rows, their cache,
-    mask and positions), down to a power of two. Every third token made an end of sequence, so rows end at many
-    different steps; against the static step (a CUDA graph's fixed shapes, run eagerly here), which
-    keeps every row to the end: the same tokens and lengths, log-probs within 1e-5 (the same math on
-    fewer rows, as above)."""
+    mask and positions), down to a power of two. Every third token made an end of sequence, so
+    rows end at many different steps; against the static step (a CUDA graph's fixed shapes, run
+    eagerly here), which keeps every row to the end: the same tokens and lengths, log-probs
+    within 1e-5 (the same math on fewer rows, as above)."""
     path, _ = decode_model
     shed, whole = engine_for(path), engine_for(path)
     whole.graphs = ("cpu",)
