@@ -4,7 +4,7 @@ from functools import partial
 
 import torch
 
-from utils.data import micro_batches, take_rows
+from utils.data import forward_batches, scatter_rows, take_rows
 from utils.dist import full_tensors, load_sharded, reduce, weight_specs
 from utils.lora import is_adapter, merged
 from utils.lora import scales as lora_scales
@@ -99,8 +99,9 @@ class Actor:
     def logprobs(self, batch):
         """[N, T]: the current policy's log-probs of the completion tokens (the old policy's, when
         taken before the update: decoupled PPO's trainer-side old log-probs)."""
-        mbs = micro_batches(batch, self.micro_batch_size)
-        return torch.cat([completion_logprobs(self.model, mb, self.temperature) for mb in mbs])
+        parts = [(rows, completion_logprobs(self.model, mb, self.temperature))
+                 for rows, mb in forward_batches(batch, self.micro_batch_size)]
+        return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
 
     def train_step(self, batch, loss_fn, norm: float, skip_zero_adv_rows: bool = False):
         """One optimizer step on this rank's share of a (mini)batch (utils.data.Batch).
@@ -130,7 +131,7 @@ class Actor:
             batch = self.rows_to_train(batch)
         sums = {"gap_sum": 0.0, "rows": len(batch["adv"]), "trained_tokens": batch["loss_mask"].sum()}
         gap_max = torch.zeros((), device=batch["loss_mask"].device)
-        mbs = list(micro_batches(batch, self.micro_batch_size))
+        mbs = [mb for _, mb in forward_batches(batch, self.micro_batch_size)]
         for i, mb in enumerate(mbs):
             # reduce-scatter the gradients after the last micro-batch only: no traffic for the others
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)

@@ -8,7 +8,7 @@ import torch
 
 from roles.actor import lr_factor, optimizer_step
 from utils import algos
-from utils.data import micro_batches
+from utils.data import forward_batches, scatter_rows
 from utils.dist import load_sharded
 from utils.model import completion_values
 
@@ -33,8 +33,9 @@ class Critic:
     @torch.no_grad()
     def values(self, batch):
         """V [N, T]: the value of the state before each completion token (utils.data.Batch)."""
-        mbs = micro_batches(batch, self.micro_batch_size)
-        return torch.cat([completion_values(self.model, mb) for mb in mbs])
+        parts = [(rows, completion_values(self.model, mb))
+                 for rows, mb in forward_batches(batch, self.micro_batch_size)]
+        return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
 
     def train_step(self, batch, norm: float):
         """One optimizer step on this rank's share of a (mini)batch that holds `values` (the
@@ -48,7 +49,7 @@ class Critic:
         if norm == 0:  # nothing in the loss on any rank (reduced, so the same everywhere): no step
             self.sched.step()
             return sums, {"value_grad_norm": torch.zeros(())}
-        mbs = list(micro_batches(batch, self.micro_batch_size))
+        mbs = [mb for _, mb in forward_batches(batch, self.micro_batch_size)]
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             v = completion_values(self.model, mb)  # [n, T]

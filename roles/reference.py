@@ -3,7 +3,7 @@ The distillation teacher (roles/teacher.py) is this class on another checkpoint.
 import torch
 from torch.distributed.tensor import DTensor
 
-from utils.data import micro_batches
+from utils.data import forward_batches, scatter_rows
 from utils.dist import load_sharded
 from utils.model import completion_logprobs
 
@@ -22,8 +22,9 @@ class Reference:
     def logprobs(self, batch):
         """ref_logp [N, T]: log-probs of the completion tokens under the reference policy."""
         self.load()
-        logp = torch.cat([completion_logprobs(self.model, mb, self.temperature)
-                          for mb in micro_batches(batch, self.micro_batch_size)])
+        logp = scatter_rows([(rows, completion_logprobs(self.model, mb, self.temperature))
+                             for rows, mb in forward_batches(batch, self.micro_batch_size)],
+                            *batch["loss_mask"].shape)  # [N, T]
         self.release()
         return logp
 

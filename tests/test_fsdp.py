@@ -32,14 +32,33 @@ def step(model_dir, tmp_path_factory):
     return run
 
 
+def assert_same_first_step(a, b, before, lr):
+    """Two first AdamW steps from `before` (dicts of weights) are one update. Adam's first step is
+    lr * g / (|g| + eps), eps 1e-8: +-lr wherever |g| >> eps, and there the two must agree to rounding
+    (1e-5 is 0.1% of the step; measured up to 1.7e-6). Where |g| is within ~20 eps of 0 (a gradient
+    that cancels, e.g. k_proj.bias's, which softmax ignores: 0 in exact arithmetic), the step is
+    rounding noise divided by ~eps, and the same sums in another order (other ranks, or other
+    micro-batches: utils.data.forward_batches groups rows by length) move it anywhere in +-lr: those
+    weights (10-13% in these tests) are not compared. A row lost or counted twice moves the
+    gradient by a share of its size and flips the steps of the weights whose gradient was that close
+    to 0, ~2e-2 apart."""
+    assert a.keys() == b.keys()
+    full = total = 0
+    for k in a:
+        full_step = ((a[k] - before[k]).abs() >= 0.95 * lr) & ((b[k] - before[k]).abs() >= 0.95 * lr)
+        assert torch.allclose(a[k][full_step], b[k][full_step], rtol=0, atol=1e-5), \
+            (k, (a[k] - b[k])[full_step].abs().max())
+        full, total = full + int(full_step.sum()), total + full_step.numel()
+    assert full > 0.8 * total, full / total  # most weights took a whole step: the check covers them
+
+
 @pytest.mark.parametrize("loss_agg,micro", [("token", 2), ("sequence", 8)])
 def test_two_ranks_update_equals_one_rank(model_dir, step, loss_agg, micro):
     one, two = step(1, loss_agg, micro), step(2, loss_agg, micro)
     a, b = load_file(one), load_file(two)
     before = load_file(os.path.join(model_dir, "model.safetensors"))
     assert a.keys() == b.keys()
-    for k in a:  # Adam's first step is ~lr * sign(g) = 1e-2: fp32 reduction-order noise stays < 1e-5
-        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), (k, (a[k] - b[k]).abs().max())
+    assert_same_first_step(a, b, before, lr=1e-2)
     assert any(not torch.equal(a[k], before[k]) for k in a)  # the step did change the weights
     assert open(one + ".gather_ok").read() == "True" and open(two + ".gather_ok").read() == "True"
 

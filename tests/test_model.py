@@ -227,3 +227,52 @@ def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch
     assert torch.allclose(chunked, whole, atol=1e-5)
     for name, grad in whole_grads.items():
         assert torch.allclose(chunked_grads[name], grad, atol=1e-5 * max(1.0, grad.abs().max().item())), name
+
+
+def test_micro_batches_without_padding_columns_give_the_whole_batchs_logprobs_and_gradient():
+    """utils.data.forward_batches: rows sorted by completion length into micro-batches of 2, each
+    cut to the columns its own rows use (prompts' left padding, completions' right padding). The
+    log-probs put back by scatter_rows and the summed gradient equal the whole batch's, to fp32
+    rounding (the same math; the cut columns were masked keys and padded queries, which add exact
+    zeros, but the sums run over other widths, so they may round differently: 1e-5 relative)."""
+    from utils.data import forward_batches, make_batch, scatter_rows
+    from utils.model import completion_logprobs
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    model = build(cfg)
+    model.init_weights(seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 7, 4, 2, 5)]
+    tokens = torch.randint(1, 64, (5, 8), generator=g)
+    lengths = torch.tensor([8, 2, 5, 1, 3])
+    batch = make_batch(prompts, tokens, lengths, 0)
+    batch["adv"] = torch.randn(5, 1, generator=g).expand(5, 8)  # [N, T], cut like the log-probs
+
+    def grads():
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    whole = completion_logprobs(model, batch, 0.8)  # [5, 8]
+    (whole * batch["adv"] * batch["loss_mask"]).sum().backward()
+    whole_grads = grads()
+
+    model.zero_grad()
+    parts, widths = [], []
+    for rows, mb in forward_batches(batch, 2):
+        logp = completion_logprobs(model, mb, 0.8)  # [n, T']
+        assert logp.shape == mb["loss_mask"].shape == mb["adv"].shape
+        (logp * mb["adv"] * mb["loss_mask"]).sum().backward()
+        parts.append((rows, logp.detach()))
+        widths.append((rows.tolist(), mb["input_ids"].shape[1], mb["prompt_len"]))
+    # longest completions first, each micro-batch as wide as its own rows need
+    assert widths == [([0, 2], 4 + 8, 4), ([4, 1], 7 + 3, 7), ([3], 2 + 1, 2)]  # (rows, P' + T', P')
+    cut = scatter_rows(parts, 5, 8)
+    mask = batch["loss_mask"] > 0
+    assert torch.allclose(cut[mask], whole.detach()[mask], rtol=1e-5, atol=1e-6)
+    assert (cut[3, 1:] == 0).all() and (cut[4, 3:] == 0).all()  # cut off: 0
+    for name, grad in grads().items():  # each parameter's gradient, relative to its norm
+        assert rel_err(grad, whole_grads[name]) < 1e-5, name
+    # one micro-batch: the batch as it is (the engine's T is already its longest completion)
+    (rows, mb), = forward_batches(batch, 5)
+    assert rows.tolist() == [0, 1, 2, 3, 4] and mb["input_ids"].shape == batch["input_ids"].shape

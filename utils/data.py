@@ -647,3 +647,47 @@ def micro_batches(batch: dict, size: int):
     """Consecutive row slices of a batch dict, `size` rows each."""
     for s in range(0, batch["input_ids"].shape[0], size):
         yield take_rows(batch, slice(s, s + size))
+
+
+def forward_batches(batch: dict, size: int):
+    """Micro-batches for the forward and backward passes, `size` rows each, without the columns
+    that are padding in every row of one: with more than one micro-batch the rows go longest
+    completion first (a stable sort), so each holds rows of like length, and each is cut to its own
+    longest prompt and completion. Yields (rows, micro-batch): rows, the indices [n] of its rows in
+    `batch`; a per-row result [n, T'] goes back with `scatter_rows`. One micro-batch is the batch
+    itself (the engine already cut T to its longest completion); a vision-language batch is sliced
+    as `micro_batches` does (its M-RoPE positions are made over the whole width)."""
+    import torch
+
+    N, P = batch["input_ids"].shape[0], batch["prompt_len"]
+    T = batch["input_ids"].shape[1] - P
+    if N <= size or "images" in batch:
+        for s in range(0, N, size):
+            yield torch.arange(s, min(s + size, N)), take_rows(batch, slice(s, s + size))
+        return
+    lengths = batch["valid"][:, P:].sum(-1)  # [N]: a completion is a prefix of its columns
+    order = torch.sort(lengths, descending=True, stable=True).indices  # [N]
+    for s in range(0, N, size):
+        rows = order[s:s + size]
+        mb = take_rows(batch, rows)
+        first = int(mb["valid"][:, :P].any(0).int().argmax())  # the first column any prompt uses
+        longest = max(1, int(lengths[rows].max()))  # the last column any completion uses, + 1
+
+        def cut(k, v):
+            if k in ("input_ids", "valid"):
+                return v[:, first:P + longest]  # [n, P - first + longest]
+            if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == T:
+                return v[:, :longest]  # [n, longest]: loss_mask, old_logp, adv, ...
+            return v
+        yield rows, {**{k: cut(k, v) for k, v in mb.items()}, "prompt_len": P - first}
+
+
+def scatter_rows(parts, N: int, T: int):
+    """[N, T] from forward_batches' (rows, result [n, T']) pairs; 0 on the columns cut off."""
+    import torch
+
+    first = parts[0][1]
+    out = torch.zeros(N, T, dtype=first.dtype, device=first.device)
+    for rows, x in parts:
+        out[rows.to(x.device), :x.shape[1]] = x
+    return out
