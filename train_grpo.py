@@ -206,13 +206,13 @@ def loss_fn(logp, batch, norm: float, args: Args):
     the completion tokens; batch: utils.data.Batch. Returns (loss, metric sums)."""
     mask, old, adv = batch["loss_mask"], batch["old_logp"], batch["adv"]  # [n, T] each
     if args.policy_loss == "ppo":
-        pg, clipped = algos.clipped_surrogate(logp, old, adv, args.clip_low, args.clip_high)  # [n, T]
+        pg, clip_active = algos.clipped_surrogate(logp, old, adv, args.clip_low, args.clip_high)  # [n, T]
     else:  # the rest of the menu (utils/algos.py POLICY_LOSSES)
-        pg, clipped = algos.POLICY_LOSSES[args.policy_loss](logp, old, adv, mask, args)  # [n, T]
+        pg, clip_active = algos.POLICY_LOSSES[args.policy_loss](logp, old, adv, mask, args)  # [n, T]
     if "is_weight" in batch:  # --mismatch tis / icepop
         pg = pg * batch["is_weight"]  # [n, T]
     loss = algos.aggregate(pg, mask, args.loss_agg, norm, args.max_new_tokens)
-    sums = {"pg_loss": (pg.detach() * mask).sum(), "clipped_tokens": (clipped & (mask > 0)).sum()}
+    sums = {"pg_loss": (pg.detach() * mask).sum(), "clipped_tokens": (clip_active & (mask > 0)).sum()}
     if args.kl_coef > 0 and not args.advantage.startswith("reinforce++"):
         kl = algos.kl_estimate(logp, batch["ref_logp"], args.kl_estimator)  # [n, T]
         loss = loss + args.kl_coef * algos.aggregate(kl, mask, args.loss_agg, norm, args.max_new_tokens)

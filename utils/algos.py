@@ -63,11 +63,12 @@ def clipped_surrogate(logp, old_logp, adv, clip_low: float, clip_high: float):
     """PPO's clipped objective as a per-token loss (Schulman et al. 2017, eq. 7), with DAPO's
     decoupled clip range [1 - clip_low, 1 + clip_high] (Yu et al. 2025). Advantages are per
     token (GAE gives one per token; GRPO broadcasts one per completion over its tokens).
-    logp, old_logp, adv [B, T] -> (loss [B, T], clipped [B, T] bool)."""
+    logp, old_logp, adv [B, T] -> (loss [B, T], clip_active [B, T] bool: the clip bounds the term)."""
     ratio = torch.exp(logp - old_logp)  # [B, T]
     unclipped = ratio * adv  # [B, T]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv  # [B, T]
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    clip_active = clipped < unclipped  # [B, T] bool: the clipped term is the smaller, taken
+    return -torch.minimum(unclipped, clipped), clip_active
 
 
 def aggregate(per_token, mask, mode: str, norm: float, max_len: int | None = None):
