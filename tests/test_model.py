@@ -194,6 +194,15 @@ def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path, monkeypatch):
     assert local_dir("assets/arith-tiny") == "assets/arith-tiny"
 
 
+def tied_tiny_lm():
+    """A 2-layer model of 64 tokens with a tied head, seed 0 (the head-chunk and padding tests)."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    model = build(cfg)
+    model.init_weights(seed=0)
+    return model
+
+
 def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch):
     """utils.model.completion_logprobs through the model: with a logits budget of two rows the head
     runs in chunks (utils.algos.head_logprobs), and the log-probs and every parameter's gradient
@@ -202,10 +211,7 @@ def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch
     from utils.data import make_batch
     from utils.model import completion_logprobs
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
-    model = build(cfg)
-    model.init_weights(seed=0)
+    model = tied_tiny_lm()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 5, 4, 2, 5)]
     tokens = torch.randint(1, 64, (5, 6), generator=g)
@@ -238,10 +244,7 @@ def test_micro_batches_without_padding_columns_give_the_whole_batchs_logprobs_an
     from utils.data import forward_batches, make_batch, scatter_rows
     from utils.model import completion_logprobs
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
-    model = build(cfg)
-    model.init_weights(seed=0)
+    model = tied_tiny_lm()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 7, 4, 2, 5)]
     tokens = torch.randint(1, 64, (5, 8), generator=g)
