@@ -196,7 +196,7 @@ def load_prompts(data: DataArgs, tok, env: EnvArgs) -> tuple[list[dict], int, li
     return rows, skipped, eval_rows
 
 
-def rollout_rank(plan, local_engine, arrival=None):
+def run_rollout_rank(plan, local_engine, arrival=None):
     """disaggregate: a rollout rank's life in one layout. It builds its engine (or keeps the one
     it had: `arrival.engine`), serves its trainers (roles/rollout.py `serve`) until they say stop,
     and leaves; or until they say move (--rebalance): then it moves with them and returns the next

@@ -34,7 +34,7 @@ from roles.reward import OverlongArgs, RewardArgs, Scorer
 from roles.reward_model import RewardModel
 from roles.teacher import DistillArgs, Teacher
 from rollouts import DynamicSamplingArgs
-from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, rollout_rank,
+from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, run_rollout_rank,
                  step_metrics)
 from utils import algos, dist, episodes, lora, memory, tp
 from utils.data import Tokenizer, make_batch, micro_batches, per_sample
@@ -394,6 +394,6 @@ if __name__ == "__main__":
     local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
     while True:  # each layout of the run: a --rebalance move in process (rebalance.py) goes on here
         if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop
-            plan, arrival = rollout_rank(plan, local_engine, arrival)
+            plan, arrival = run_rollout_rank(plan, local_engine, arrival)
         else:
             plan, arrival = train(args, plan, arrival, cfg, tok, (rows, skipped, eval_rows), local_engine)

@@ -36,7 +36,7 @@ from roles.reward import RewardArgs, Scorer
 from roles.reward_model import RewardModel
 from roles.teacher import DistillArgs, Teacher
 from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
-                 rollout_rank, step_metrics)
+                 run_rollout_rank, step_metrics)
 from utils import algos, dist, episodes, lora, memory, tp
 from utils.data import Tokenizer, check_same_tokenizer, make_batch, micro_batches, per_sample
 from utils.engines import SamplingParams, check_engine, make_engine
@@ -303,7 +303,7 @@ if __name__ == "__main__":
                         args.run.seed, lora_rank=serve_lora)
     local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
-        rollout_rank(plan, local_engine)
+        run_rollout_rank(plan, local_engine)
 
     # the roles on every trainer rank: the actor, the critic, the reference, the reward model
     decay_steps = args.steps if args.lr_schedule == "linear" else 0

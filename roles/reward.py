@@ -91,14 +91,14 @@ def code_passes(prompts, completions, tests, timeout_s=5.0, memory_mb=512, **_):
     return out
 
 
-BUILTIN = {"accuracy": accuracy, "format": format_ok, "code": code_passes}
+REWARDS = {"accuracy": accuracy, "format": format_ok, "code": code_passes}
 
 
 def resolve(name: str):
-    if name in BUILTIN:
-        return BUILTIN[name]
+    if name in REWARDS:
+        return REWARDS[name]
     if ":" not in name:
-        raise UserError(f"reward {name!r}: use one of {sorted(BUILTIN)} or 'module:function'")
+        raise UserError(f"reward {name!r}: use one of {sorted(REWARDS)} or 'module:function'")
     module, fn = name.split(":", 1)
     try:
         return getattr(importlib.import_module(module), fn)
