@@ -8,7 +8,7 @@ It reads the token ids the policy generated, so it must share the policy's token
 
 import torch
 
-from utils.data import check_same_tokenizer, micro_batches
+from utils.data import check_same_tokenizer, forward_batches
 from utils.dist import load_sharded
 from utils.errors import UserError
 from utils.model import read_config, sequence_scores
@@ -39,6 +39,9 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, batch):
-        """[N] (on the CPU): the score of each prompt + completion of a utils.data.Batch."""
-        scores = [sequence_scores(self.model, mb) for mb in micro_batches(batch, self.micro_batch_size)]
-        return torch.cat(scores).float().cpu()
+        """[N] (on the CPU): the score of each prompt + completion of a utils.data.Batch, its
+        micro-batches cut to the columns their rows use (utils.data.forward_batches)."""
+        scores = torch.empty(len(batch["input_ids"]))  # [N]
+        for rows, mb in forward_batches(batch, self.micro_batch_size):
+            scores[rows] = sequence_scores(self.model, mb).float().cpu()
+        return scores

@@ -13,7 +13,8 @@ from test_fsdp import torchrun
 
 from roles import reward_model
 from utils.algos import bradley_terry_loss
-from utils.data import Tokenizer, arith_rows, load_pairs, make_batch, tokenize_pairs, train_tokenizer
+from utils.data import (Tokenizer, arith_rows, load_pairs, make_batch, take_rows, tokenize_pairs,
+                        train_tokenizer)
 from utils.errors import UserError
 from utils.model import load_model, positions_from, sequence_scores
 from utils.tiny import make_tokenizer
@@ -92,10 +93,12 @@ def test_scores_match_transformers(tmp_path, arch, kw):
 
 
 def test_sharded_reward_model_matches_transformers(tmp_path):
-    """The role, FSDP2 over 2 ranks with micro-batches, on an EOS-terminated batch."""
+    """The role, FSDP2 over 2 ranks with micro-batches of one row (utils.data.forward_batches: the
+    rows longest completion first, each cut to its own columns), on an EOS-terminated batch."""
     path = str(tmp_path / "rm")
     ref = hf_reward_model(path, "llama", seed=1, tie_word_embeddings=False)
-    batch = padded_batch(ref.config.pad_token_id, eos_last=True)
+    # completions 1, 4 | 0, 3 tokens long: each rank's rows shortest first, so the sort reorders them
+    batch = take_rows(padded_batch(ref.config.pad_token_id, eos_last=True), torch.tensor([1, 0, 3, 2]))
     torch.save(batch, tmp_path / "batch.pt")
     torchrun(2, "tests/helpers/rm_scores.py", path, path, str(tmp_path / "batch.pt"), str(tmp_path / "s"))
     got = torch.cat([torch.load(tmp_path / f"s.rank{r}.pt") for r in range(2)])
