@@ -97,3 +97,13 @@ def test_a_short_default_run_raises_the_training_reward(tmp_path):
     rewards = [r["rollout/reward"] for r in metrics(run) if not r.get("final")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert len(rewards) == 50 and last > first + 0.04, (first, last)
+
+
+def test_the_main_job_prints_no_warning(tmp_path):
+    """The README's main job, shortened, under torchrun itself (a forked rank would inherit the
+    server's warnings already shown): no UserWarning or other warning on either stream. FSDP2 warned
+    at the first backward that the model's root returned a view (utils.algos.token_logprobs)."""
+    p = torchrun(2, "train_grpo.py", "--steps", "2", "--run-dir", str(tmp_path), fresh=True, timeout=180)
+    assert "summary |" in p.stdout
+    warned = [line for line in (p.stdout + p.stderr).splitlines() if "Warning" in line or "warn" in line]
+    assert warned == []

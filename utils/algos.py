@@ -91,7 +91,9 @@ def aggregate(per_token, mask, mode: str, norm: float, max_len: int | None = Non
 def token_logprobs(logits, tokens, temperature: float = 1.0):
     """log softmax(logits / T) at `tokens`: logits [B, T, V], tokens [B, T] -> [B, T]."""
     logp = torch.log_softmax(logits.float() / temperature, -1)  # [B, T, V]
-    return logp.gather(-1, tokens[..., None])[..., 0]
+    # a tensor of its own, not a view of the gather's [B, T, 1]: the model returns it from its FSDP2
+    # root, and FSDP2 warns that an in-place op on a returned view would skip its pre-backward hook
+    return logp.gather(-1, tokens[..., None]).squeeze(-1).clone()  # [B, T]
 
 
 LOGITS_BUDGET = 2 ** 28  # bytes of fp32 logits made at once by head_logprobs (256 MiB)
