@@ -64,9 +64,10 @@ class PlacementArgs:
         """The flags' ranges, then the layout (`check`): no process group needed."""
         check_rules(self, [
             ("gen_tp", self.gen_tp == 1 or self.placement == "colocate",
-             "it with --placement colocate (it splits colocated generation), or drop it"),
-            ("rollout_ranks", self.rollout_ranks >= 0, "0 (colocate) or more"),
-            ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "a positive size in MiB")])
+             f"it splits colocated generation, which --placement {self.placement} has not: add --placement "
+             f"colocate, or drop --gen-tp"),
+            ("rollout_ranks", self.rollout_ranks >= 0, "use 0 (colocate) or more"),
+            ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "use a positive size in MiB")])
         return check(self.placement, world, prompts_per_step, self.rollout_ranks, self.max_staleness,
                      self.sampler_ranks)
 

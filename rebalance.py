@@ -63,33 +63,36 @@ class RebalanceArgs:
     def check(self, args, world: int, layout: Layout):
         check_rules(self, [
             ("rebalance", not self.rebalance or args.layout.placement in ("disaggregate", "partial"),
-             "it moves ranks between roles: add --placement disaggregate --rollout-ranks K (trainers and "
-             "rollout ranks) or --placement partial (samplers and judges)"),
+             "it moves ranks between roles, and --placement colocate gives every rank every role: add "
+             "--placement disaggregate --rollout-ranks K (trainers and rollout ranks) or --placement partial "
+             "(samplers and judges)"),
             ("rebalance", not self.rebalance or not args.ds.dynamic_sampling,
-             "dynamic sampling keeps a prompt stream per trainer, which a move would split differently; "
-             "drop one"),
-            ("rebalance_restart", not self.rebalance_restart or self.rebalance, "it moves by a restart: add "
-             "--rebalance"),
+             "it cannot run with --dynamic-sampling, whose prompt stream per trainer a move would split "
+             "differently: drop one of the two"),
+            ("rebalance_restart", not self.rebalance_restart or self.rebalance,
+             "it makes each --rebalance move a restart, and --rebalance is off: add --rebalance, or drop "
+             "--rebalance-restart"),
             ("rebalance_restart", not self.rebalance_restart or args.layout.placement != "partial",
-             "partial placement moves in process only (every rank trains: the state stays on its ranks); "
-             "drop it"),
+             "partial placement moves in process only (every rank trains: the state stays on its ranks): "
+             "drop --rebalance-restart"),
             ("rebalance_restart", not self.rebalance_restart
              or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) >= 1,
-             "a move restarts the workers in the new layout: launch with torchrun --max-restarts N (one per "
-             "move you allow, plus those for failures)"),
+             "each move restarts the workers in the new layout, and torchrun was launched without restarts: "
+             "launch with torchrun --max-restarts N (one per move you allow, plus those for failures)"),
             ("rebalance", not self.rebalance or self.rebalance_restart or engine_kind(
                 args.engine, "cuda" if torch.cuda.is_available() else "cpu") == "native",
              "a move in process keeps native rollout engines only (a vLLM one would join a new weight-"
              "transfer group, not tried): add --rebalance-restart, or --engine native"),
             ("rebalance_threshold", 0 <= self.rebalance_threshold < 1,
-             "a share of a step in [0, 1), such as 0.1"),
-            ("rebalance_window", self.rebalance_window >= 1, "1 or more steps"),
+             "use a share of a step in [0, 1), such as 0.1"),
+            ("rebalance_window", self.rebalance_window >= 1, "use 1 or more steps"),
             ("rebalance_gap", self.rebalance_gap >= self.rebalance_window,
-             f"at least --rebalance-window ({self.rebalance_window}): a decision reads only steps since the "
-             f"last move"),
+             f"a decision reads only the steps since the last move: use at least --rebalance-window "
+             f"({self.rebalance_window})"),
             ("rebalance_force", not self.rebalance_force or self.rebalance,
-             "it forces a --rebalance move: add --rebalance"),
-            ("rebalance_force", len(self.rebalance_force) % 2 == 0, "pairs STEP K")])
+             "it forces a --rebalance move, and --rebalance is off: add --rebalance"),
+            ("rebalance_force", len(self.rebalance_force) % 2 == 0,
+             "its numbers come two by two: use pairs STEP K")])
         now = side(layout)
         for step, k in zip(self.rebalance_force[::2], self.rebalance_force[1::2]):
             fits = [side(c) for c in splits(world, args.prompts_per_step, args.layout.max_staleness,

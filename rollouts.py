@@ -51,17 +51,17 @@ class DynamicSamplingArgs:
     def check(self, args):
         check_rules(self, [
             ("dynamic_sampling", not self.dynamic_sampling or args.layout.max_staleness == 0,
-             "it decides each refill from the last wave's rewards, so it runs on-policy: "
-             "drop --max-staleness"),
+             f"it decides each refill from the last wave's rewards, so it runs on-policy, and "
+             f"--max-staleness {args.layout.max_staleness} lets rollouts lag: drop one of the two"),
             ("dynamic_sampling", not self.dynamic_sampling or args.advantage in GROUP_BASELINES,
              f"it drops groups whose rewards are all equal, which carry no signal only under a group "
-             f"baseline (grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}; drop one of "
+             f"baseline (grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}: drop one of "
              f"the two"),
             ("dynamic_sampling", not self.dynamic_sampling or not args.distill.alone(args.reward),
-             "off with distillation alone: every reward is weighted 0, so every group would look alike "
-             "and be dropped"),
-            ("ds_oversampling", 0 < self.ds_oversampling < math.inf, "a positive factor such as 1.2"),
-            ("ds_max_refills", self.ds_max_refills >= 0, "0 (one wave) or more")])
+             "with distillation alone every reward is weighted 0, so every group would look alike and be "
+             "dropped: drop --dynamic-sampling"),
+            ("ds_oversampling", 0 < self.ds_oversampling < math.inf, "use a positive factor such as 1.2"),
+            ("ds_max_refills", self.ds_max_refills >= 0, "use 0 (one wave) or more")])
 
 
 @dataclass

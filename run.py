@@ -23,6 +23,7 @@ from utils.episodes import EnvArgs
 from utils.engines import SamplingParams, Samples
 from utils.errors import UserError, check_rules
 from utils.logger import Logger, Timer
+from utils.lora import check_model_dir
 from utils.model import check_checkpoint, local_dir, read_config
 from utils.plot import plot
 
@@ -66,9 +67,9 @@ class DataArgs:
 
     def check(self):
         check_rules(self, [
-            ("eval_every", self.eval_every >= 0, "0 (never) or a number of steps"),
-            ("eval_prompts", self.eval_prompts >= 1, "1 or more"),
-            ("max_prompt_tokens", self.max_prompt_tokens >= 1, "1 or more")])
+            ("eval_every", self.eval_every >= 0, "use 0 (never) or a number of steps"),
+            ("eval_prompts", self.eval_prompts >= 1, "use 1 or more"),
+            ("max_prompt_tokens", self.max_prompt_tokens >= 1, "use 1 or more")])
 
     def check_model(self, text_readers: dict | None = None):
         """The checkpoint; for a vision-language one, the components that would read its prompts as
@@ -95,6 +96,7 @@ def checked_model(path: str, flag: str = "--model", tokenizer: bool = True) -> s
     """A checkpoint's config, weights (and tokenizer) read, or one error naming `flag`; a hub id
     becomes its downloaded snapshot, which is returned (computed at runtime)."""
     path = local_dir(path, flag)
+    check_model_dir(path, flag)  # config.json, or one line naming `flag` (a LoRA adapter: how to use it)
     try:
         read_config(path)
         if tokenizer:
@@ -135,14 +137,14 @@ class RunArgs:
 
     def check(self):
         check_rules(self, [
-            ("save_every", self.save_every >= 0, "0 (on SIGTERM only) or a number of steps"),
-            ("keep_last", self.keep_last >= 1, "1 or more"),
+            ("save_every", self.save_every >= 0, "use 0 (on SIGTERM only) or a number of steps"),
+            ("keep_last", self.keep_last >= 1, "use 1 or more"),
             ("resume", self.resume in ("restart", "auto", "none") or checkpoint.is_complete(self.resume),
-             "restart, auto, none or a complete checkpoint, run_dir/checkpoints/step_N (none is at that "
-             "path)"),
-            ("save_hf_every", self.save_hf_every >= 0, "0 (off) or a number of steps"),
-            ("max_skipped_steps", self.max_skipped_steps >= 0, "0 or more"),
-            ("timeout_s", 0 < self.timeout_s < math.inf, "a positive number of seconds")])
+             "no complete checkpoint is at that path: use restart, auto, none or a complete checkpoint, "
+             "run_dir/checkpoints/step_N"),
+            ("save_hf_every", self.save_hf_every >= 0, "use 0 (off) or a number of steps"),
+            ("max_skipped_steps", self.max_skipped_steps >= 0, "use 0 or more"),
+            ("timeout_s", 0 < self.timeout_s < math.inf, "use a positive number of seconds")])
         writable_dir(self.run_dir, "--run-dir")
         if self.track:  # on every rank, before the process group: one line, not a broken collective
             try:

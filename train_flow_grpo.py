@@ -28,7 +28,7 @@ import torch
 
 import placement
 from roles.flow_actor import FlowActor
-from roles.reward import Reward, resolve
+from roles.reward import Reward, check_reward, resolve
 from run import Flat, Run, RunArgs, parse
 from utils import dist, flow, shapes
 from utils.data import prompt_seed
@@ -116,35 +116,38 @@ def check_args(args: Args, world: int):
     except UserError as e:
         raise UserError(f"--model: {e}") from None
     check_rules(args, [
-        ("steps", args.steps >= 1, "1 or more"),
-        ("num_generations", args.num_generations >= 2, "2 or more (a group needs a spread)"),
+        ("steps", args.steps >= 1, "use 1 or more"),
+        ("num_generations", args.num_generations >= 2, "use 2 or more (a group needs a spread)"),
         ("prompts_per_step", 1 <= args.prompts_per_step <= TASK and args.prompts_per_step % (
-            world * args.minibatches) == 0, f"a multiple of the {world} rank(s) x --minibatches "
+            world * args.minibatches) == 0, f"use a multiple of the {world} rank(s) x --minibatches "
          f"({args.minibatches}), at most the task's {TASK} prompts"),
-        ("noise_level", 0 < args.noise_level < math.inf, "a positive number such as 0.7"),
-        ("train_steps", args.train_steps >= 1, "1 or more"),
-        ("eval_steps", args.eval_steps >= 1, "1 or more"),
-        ("shift", 0 < args.shift < math.inf, "a positive number (1: uniform steps)"),
-        ("window", 0 <= args.window <= args.train_steps, f"0 (off) to --train-steps ({args.train_steps})"),
-        ("window_every", args.window_every >= 1, "1 or more"),
-        ("timestep_fraction", 0 < args.timestep_fraction <= 1, "a share in (0, 1]"),
-        ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (off) or a positive number"),
-        ("clip_range", 0 < args.clip_range < math.inf, "a positive number such as 1e-4"),
-        ("adv_clip", 0 < args.adv_clip < math.inf, "a positive number such as 5"),
-        ("minibatches", args.minibatches >= 1, "1 or more"),
-        ("lr", 0 < args.lr < math.inf, "a positive learning rate such as 3e-4"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "1 or more"),
-        ("eval_every", args.eval_every >= 0, "0 (never) or a number of steps"),
+        ("noise_level", 0 < args.noise_level < math.inf, "use a positive number such as 0.7"),
+        ("train_steps", args.train_steps >= 1, "use 1 or more"),
+        ("eval_steps", args.eval_steps >= 1, "use 1 or more"),
+        ("shift", 0 < args.shift < math.inf, "use a positive number (1: uniform steps)"),
+        ("window", 0 <= args.window <= args.train_steps,
+         f"use 0 (off) to --train-steps ({args.train_steps})"),
+        ("window_every", args.window_every >= 1, "use 1 or more"),
+        ("timestep_fraction", 0 < args.timestep_fraction <= 1, "use a share in (0, 1]"),
+        ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (off) or a positive number"),
+        ("clip_range", 0 < args.clip_range < math.inf, "use a positive number such as 1e-4"),
+        ("adv_clip", 0 < args.adv_clip < math.inf, "use a positive number such as 5"),
+        ("minibatches", args.minibatches >= 1, "use 1 or more"),
+        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
+        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more"),
+        ("eval_every", args.eval_every >= 0, "use 0 (never) or a number of steps"),
         ("eval_prompts", 1 <= args.eval_prompts <= TASK and args.eval_prompts % world == 0,
-         f"a multiple of the {world} rank(s), at most the task's {TASK} prompts"),
-        ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm such as 1"),
-        ("rewards", len(args.rewards) >= 1, "one term or more, e.g. colour compressibility"),
-        ("reward_timeout_s", args.reward_timeout_s > 0, "a positive number of seconds")])
+         f"use a multiple of the {world} rank(s), at most the task's {TASK} prompts"),
+        ("max_grad_norm", 0 < args.max_grad_norm, "use a positive norm such as 1"),
+        ("rewards", len(args.rewards) >= 1, "use one term or more, e.g. colour compressibility"),
+        ("reward_timeout_s", args.reward_timeout_s > 0, "use a positive number of seconds")])
     for name in args.rewards:
         if name not in IMAGE_REWARDS and ":" not in name:
             raise UserError(f"--rewards {name}: use {', '.join(IMAGE_REWARDS)} or module:function")
         if ":" in name:
-            resolve(name)  # imports now: a wrong module or name is one line before any model loads
+            # imports now: a wrong module or name, or a function the trainer cannot call as fn(prompts,
+            # images), is one line before any model loads
+            check_reward(resolve(name), name, [], "images")
     if args.run.save_hf_every:
         raise UserError("--save-hf-every exports language models; train_flow_grpo.py writes its final model "
                         "(run_dir/final) and checkpoints (--save-every): drop --save-hf-every")

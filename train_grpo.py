@@ -145,30 +145,31 @@ def check_args(args: Args, world: int):
     """Every flag's range and the combinations that cannot work (each component checks its own):
     a mistake stops the run here, before any process group or model load, with what to change."""
     args.data.check()
-    check_rules(args, [  # (flag, holds, what to use instead)
-        ("steps", args.steps >= 1, "1 or more"),
-        ("prompts_per_step", args.prompts_per_step >= 1, "1 or more"),
-        ("num_generations", args.num_generations >= 2 or args.distill.alone(args.reward), "2 or more: GRPO's "
-         "advantage compares the samples of a prompt's group, and with 1 every advantage is 0, so nothing "
-         "would train (1 only for distillation alone: --teacher-model with --reward-weights 0)"),
-        ("max_new_tokens", args.max_new_tokens >= 1, "1 or more"),
-        ("temperature", 0 < args.temperature < math.inf, "a positive number (1.0: the model as it is)"),
-        ("top_p", 0 < args.top_p <= 1, "a number in (0, 1] (1.0: off)"),
-        ("top_k", args.top_k >= 0, "0 (off) or a number of tokens"),
-        ("lr", 0 < args.lr < math.inf, "a positive learning rate such as 3e-4"),
-        ("warmup_steps", args.warmup_steps >= 0, "0 or more"),
-        ("weight_decay", 0 <= args.weight_decay < math.inf, "0 or more"),
-        ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm"),
+    check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
+        ("steps", args.steps >= 1, "use 1 or more"),
+        ("prompts_per_step", args.prompts_per_step >= 1, "use 1 or more"),
+        ("num_generations", args.num_generations >= 2 or args.distill.alone(args.reward), "use 2 or more: "
+         "GRPO's advantage compares the samples of a prompt's group, and with 1 every advantage is 0, so "
+         "nothing would train (1 only for distillation alone: --teacher-model with --reward-weights 0)"),
+        ("max_new_tokens", args.max_new_tokens >= 1, "use 1 or more"),
+        ("temperature", 0 < args.temperature < math.inf, "use a positive number (1.0: the model as it is)"),
+        ("top_p", 0 < args.top_p <= 1, "use a number in (0, 1] (1.0: off)"),
+        ("top_k", args.top_k >= 0, "use 0 (off) or a number of tokens"),
+        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
+        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
+        ("weight_decay", 0 <= args.weight_decay < math.inf, "use 0 or more"),
+        ("max_grad_norm", 0 < args.max_grad_norm, "use a positive norm"),
         ("advantage", args.advantage != "remax" or args.layout.placement != "partial",
-         "another advantage: remax's greedy baseline is not generated in partial placement"),
-        ("clip_low", 0 <= args.clip_low < 1, "a number in [0, 1)"),
-        ("clip_high", 0 <= args.clip_high < math.inf, "0 or more"),
-        ("dual_clip_c", args.dual_clip_c > 1, "a bound above 1, such as 3"),
-        ("gspo_clip_low", 0 <= args.gspo_clip_low < 1, "a number in [0, 1), such as 3e-4"),
-        ("gspo_clip_high", 0 <= args.gspo_clip_high < math.inf, "0 or more, such as 4e-4"),
-        ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (no KL term) or more"),
-        ("minibatches", args.minibatches >= 1, "1 or more"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "1 or more")])
+         "remax's greedy baseline is not generated in partial placement: use another --advantage, or "
+         "another --placement"),
+        ("clip_low", 0 <= args.clip_low < 1, "use a number in [0, 1)"),
+        ("clip_high", 0 <= args.clip_high < math.inf, "use 0 or more"),
+        ("dual_clip_c", args.dual_clip_c > 1, "use a bound above 1, such as 3"),
+        ("gspo_clip_low", 0 <= args.gspo_clip_low < 1, "use a number in [0, 1), such as 3e-4"),
+        ("gspo_clip_high", 0 <= args.gspo_clip_high < math.inf, "use 0 or more, such as 4e-4"),
+        ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (no KL term) or more"),
+        ("minibatches", args.minibatches >= 1, "use 1 or more"),
+        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more")])
     args.overlong.check(args.max_new_tokens)
     args.env.check()
     args.ds.check(args)

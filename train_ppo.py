@@ -131,36 +131,37 @@ def check_args(args: Args, world: int):
     """Every flag's range and the combinations that cannot work (each component checks its own):
     a mistake stops the run here, before any process group or model load, with what to change."""
     args.data.check()
-    check_rules(args, [  # (flag, holds, what to use instead)
-        ("steps", args.steps >= 1, "1 or more"),
-        ("prompts_per_step", args.prompts_per_step >= 1, "1 or more"),
-        ("num_generations", args.num_generations >= 1, "1 or more"),
-        ("max_new_tokens", args.max_new_tokens >= 1, "1 or more"),
-        ("temperature", 0 < args.temperature < math.inf, "a positive number (1.0: the model as it is)"),
-        ("top_p", 0 < args.top_p <= 1, "a number in (0, 1] (1.0: off)"),
-        ("top_k", args.top_k >= 0, "0 (off) or a number of tokens"),
-        ("gamma", 0 <= args.gamma <= 1, "a number in [0, 1]"),
-        ("lam", 0 <= args.lam <= 1, "a number in [0, 1]"),
-        ("kl_coef", 0 <= args.kl_coef < math.inf, "0 (no KL term) or more"),
-        ("kl_target", args.kl_target is None or 0 < args.kl_target < math.inf, "a positive KL, or none"),
-        ("kl_target", args.kl_target is None or args.kl_coef > 0, "it adapts --kl-coef: give one above 0"),
-        ("kl_horizon", args.kl_horizon >= 1, "1 or more completions"),
-        ("lr", 0 < args.lr < math.inf, "a positive learning rate such as 3e-4"),
-        ("critic_lr", 0 < args.critic_lr < math.inf, "a positive learning rate such as 1e-3"),
-        ("warmup_steps", args.warmup_steps >= 0, "0 or more"),
-        ("weight_decay", 0 <= args.weight_decay < math.inf, "0 or more"),
-        ("max_grad_norm", 0 < args.max_grad_norm, "a positive norm"),
-        ("clip_low", 0 <= args.clip_low < 1, "a number in [0, 1)"),
-        ("clip_high", 0 <= args.clip_high < math.inf, "0 or more"),
-        ("value_clip", 0 < args.value_clip < math.inf, "a positive number"),
-        ("minibatches", args.minibatches >= 1, "1 or more"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "1 or more")])
-    check_rules(args.reward, [("rewards", "judge" not in args.reward.rewards, "terms without `judge`: the "
-                "generative judge (--judge-model) is train_grpo.py's; train_ppo.py takes rules, functions "
-                "and a Bradley-Terry `rm`")])
-    check_rules(args.layout, [("placement", args.layout.placement != "partial", "colocate or disaggregate: "
-                "partial placement splits the rollout between a sampler and a judge, which is "
-                "train_grpo.py's")])
+    check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
+        ("steps", args.steps >= 1, "use 1 or more"),
+        ("prompts_per_step", args.prompts_per_step >= 1, "use 1 or more"),
+        ("num_generations", args.num_generations >= 1, "use 1 or more"),
+        ("max_new_tokens", args.max_new_tokens >= 1, "use 1 or more"),
+        ("temperature", 0 < args.temperature < math.inf, "use a positive number (1.0: the model as it is)"),
+        ("top_p", 0 < args.top_p <= 1, "use a number in (0, 1] (1.0: off)"),
+        ("top_k", args.top_k >= 0, "use 0 (off) or a number of tokens"),
+        ("gamma", 0 <= args.gamma <= 1, "use a number in [0, 1]"),
+        ("lam", 0 <= args.lam <= 1, "use a number in [0, 1]"),
+        ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (no KL term) or more"),
+        ("kl_target", args.kl_target is None or 0 < args.kl_target < math.inf, "use a positive KL, or none"),
+        ("kl_target", args.kl_target is None or args.kl_coef > 0,
+         "it adapts --kl-coef, which is 0 (no KL term): give a --kl-coef above 0, or drop --kl-target"),
+        ("kl_horizon", args.kl_horizon >= 1, "use 1 or more completions"),
+        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
+        ("critic_lr", 0 < args.critic_lr < math.inf, "use a positive learning rate such as 1e-3"),
+        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
+        ("weight_decay", 0 <= args.weight_decay < math.inf, "use 0 or more"),
+        ("max_grad_norm", 0 < args.max_grad_norm, "use a positive norm"),
+        ("clip_low", 0 <= args.clip_low < 1, "use a number in [0, 1)"),
+        ("clip_high", 0 <= args.clip_high < math.inf, "use 0 or more"),
+        ("value_clip", 0 < args.value_clip < math.inf, "use a positive number"),
+        ("minibatches", args.minibatches >= 1, "use 1 or more"),
+        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more")])
+    check_rules(args.reward, [("rewards", "judge" not in args.reward.rewards, "the generative judge "
+                "(--judge-model) is train_grpo.py's: use terms without `judge` (train_ppo.py takes rules, "
+                "functions and a Bradley-Terry `rm`)")])
+    check_rules(args.layout, [("placement", args.layout.placement != "partial", "partial placement splits "
+                "the rollout between a sampler and a judge, which is train_grpo.py's: use colocate or "
+                "disaggregate")])
     args.distill.check()
     args.run.check()
     args.lora.check(args.engine, args.layout.placement)

@@ -81,21 +81,21 @@ class Args:
 
 def check_args(args: Args, world: int):
     """Every flag's range, before any process group or model load, with what to change."""
-    check_rules(args, [  # (flag, holds, what to use instead)
-        ("eval_fraction", 0 <= args.eval_fraction < 1, "a share in [0, 1)"),
+    check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
+        ("eval_fraction", 0 <= args.eval_fraction < 1, "use a share in [0, 1)"),
         ("eval_fraction", args.eval_fraction == 0.05 or args.eval_dataset is None,
-         "no share: --eval-dataset is held out instead (drop one of the two)"),
-        ("eval_every", args.eval_every >= 0, "0 (start and end only) or a number of steps"),
-        ("eval_pairs", args.eval_pairs >= 1, "1 or more"),
-        ("steps", args.steps >= 1, "1 or more"),
+         "it holds out a share of --dataset, and --eval-dataset is held out instead: drop one of the two"),
+        ("eval_every", args.eval_every >= 0, "use 0 (start and end only) or a number of steps"),
+        ("eval_pairs", args.eval_pairs >= 1, "use 1 or more"),
+        ("steps", args.steps >= 1, "use 1 or more"),
         ("batch_size", args.batch_size >= 1 and args.batch_size % world == 0,
-         f"a multiple of the {world} ranks, such as {[world * k for k in (8, 16, 32)]}"),
-        ("lr", 0 < args.lr < math.inf, "a positive learning rate such as 3e-4"),
-        ("warmup_steps", args.warmup_steps >= 0, "0 or more"),
-        ("max_grad_norm", args.max_grad_norm > 0, "a positive norm"),
-        ("max_tokens", args.max_tokens >= 2, "2 or more"),
-        ("log_every", args.log_every >= 1, "1 or more"),
-        ("timeout_s", 0 < args.timeout_s < math.inf, "a positive number of seconds")])
+         f"use a multiple of the {world} ranks, such as {[world * k for k in (8, 16, 32)]}"),
+        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
+        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
+        ("max_grad_norm", args.max_grad_norm > 0, "use a positive norm"),
+        ("max_tokens", args.max_tokens >= 2, "use 2 or more"),
+        ("log_every", args.log_every >= 1, "use 1 or more"),
+        ("timeout_s", 0 < args.timeout_s < math.inf, "use a positive number of seconds")])
     check_applies(args)
     writable_dir(args.out, "--out")
     args.model = checked_model(args.model)  # a hub id (ORG/NAME) becomes its snapshot (computed at runtime)

@@ -30,6 +30,7 @@ from utils.data import Tokenizer, dataset_columns, per_sample
 from utils.engines import SamplingParams, make_engine
 from utils import model
 from utils.errors import UserError, check_rules
+from utils.lora import check_model_dir
 from utils.sandbox import TimeLimit, time_limit
 
 MARKER = "Is the answer correct (Yes/No)?"
@@ -69,13 +70,15 @@ class JudgeArgs:
         """The flags, then (a hub id becomes its snapshot) the checkpoint and the template."""
         check_rules(self, [
             ("judge_model", (self.judge_model is None) == ("judge" not in args.reward.rewards),
-             "a judge together with the `judge` term of --rewards (say both, or neither)"),
+             "a judge and the `judge` term of --rewards go together: give both, or neither"),
             ("judge_model", self.judge_model is not None or args.layout.placement != "partial",
-             "a judge: --placement partial splits the policy's ranks between a sampler and a judge"),
-            ("judge_samples", self.judge_samples >= 1, "1 or more"),
-            ("judge_temperature", 0 <= self.judge_temperature < math.inf, "0 (greedy) or a positive number"),
-            ("judge_max_new_tokens", self.judge_max_new_tokens >= 1, "1 or more"),
-            ("judge_chunk", self.judge_chunk >= 1, "1 or more prompts")])
+             "--placement partial splits the policy's ranks between a sampler and a judge: add a "
+             "--judge-model and the `judge` term of --rewards, or use another --placement"),
+            ("judge_samples", self.judge_samples >= 1, "use 1 or more"),
+            ("judge_temperature", 0 <= self.judge_temperature < math.inf,
+             "use 0 (greedy) or a positive number"),
+            ("judge_max_new_tokens", self.judge_max_new_tokens >= 1, "use 1 or more"),
+            ("judge_chunk", self.judge_chunk >= 1, "use 1 or more prompts")])
         if self.judge_model:
             self.judge_model = model.local_dir(self.judge_model, "--judge-model")
             check(self.judge_model, self.judge_template)
@@ -282,6 +285,7 @@ def judge_chunk(judge, rows, seeds, samples, n: int):
 
 def check(path: str, template: str | None):
     """--judge-model and --judge-template, before any process group: a readable causal model."""
+    check_model_dir(path, "--judge-model")
     try:
         cfg = model.read_config(path)
         Tokenizer(path)

@@ -10,13 +10,15 @@ A reward is a sum of weighted terms, each either built in or `module:function`:
     rm         a Bradley-Terry reward model's score (--reward-model DIR, roles/reward_model.py)
     judge      a generative judge's verdict, +1 yes to -1 no averaged over its samples (--judge-model
                DIR, roles/judge.py; NaN: the judge failed on that sample)
-    pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float]
+    pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float], every dataset column
+               and finish_reason by keyword (checked against that call before the steps: check_reward)
 A user function that raises is retried sample by sample; a sample that still fails scores 0 and is
 counted in the step's metrics (`reward/failures`); so does a call that runs past the time limit
 (all its samples score 0). The wrong number of scores is a bug in the function: a clear error.
 """
 import functools
 import importlib
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -95,6 +97,7 @@ REWARDS = {"accuracy": accuracy, "format": format_ok, "code": code_passes}
 
 
 def resolve(name: str):
+    """A --rewards term's function: built in, or 'module:function' imported."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" not in name:
@@ -104,6 +107,59 @@ def resolve(name: str):
         return getattr(importlib.import_module(module), fn)
     except Exception as e:  # not found, or the module itself fails on import (a SyntaxError too)
         raise UserError(f"reward {name!r} could not be loaded: {type(e).__name__}: {e}") from None
+
+
+def check_reward(fn, name: str, columns: list[str], outputs: str = "completions"):
+    """A 'module:function' term as `_call` calls it, checked once before the run: fn(prompts,
+    completions, **columns) with every column (the dataset's and finish_reason) by keyword, whose
+    result it reads as scores; `outputs` names the second argument (train_flow_grpo.py: images).
+    One error naming it and what to change."""
+    call = f"fn(prompts, {outputs}, **columns)" if columns else f"fn(prompts, {outputs})"
+    if inspect.isclass(fn) or not callable(fn):
+        kind = "class" if inspect.isclass(fn) else type(fn).__name__
+        raise UserError(f"--rewards {name} is a {kind}, not a function: the trainer calls {call} and reads "
+                        "the list of scores it returns; pass a function")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise UserError(f"--rewards {name} is async: the trainer calls it plainly and would get a coroutine, "
+                        "not scores: make it a plain def that returns the list of scores")
+    if inspect.isgeneratorfunction(fn):
+        raise UserError(f"--rewards {name} is a generator (it yields): the trainer reads what it returns: "
+                        "return the list of scores instead")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable Python cannot describe (some built-ins): not checked
+        return
+    check_reward_parameters(sig, name, columns, outputs, call)
+
+
+def check_reward_parameters(sig: inspect.Signature, name: str, columns: list[str], outputs: str, call: str):
+    """`check_reward`'s second half: the two positional arguments, then each column by keyword."""
+    given = ", ".join(columns) or "none"
+    P = inspect.Parameter
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:2]
+    if len(positional) < 2 and not any(p.kind == P.VAR_POSITIONAL for p in params):
+        raise UserError(f"--rewards {name}{sig} cannot take prompts and {outputs} as its first two "
+                        f"arguments: the trainer calls {call}; make its parameters (prompts, {outputs}, "
+                        f"**columns)")
+    named = [p for p in params if p not in positional and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    for p in named:
+        if p.default is P.empty and not columns:
+            raise UserError(f"--rewards {name}: its parameter {p.name!r} would get no value, as the trainer "
+                            f"calls {call}: give it a default, or drop it")
+        if p.default is P.empty and p.name not in columns:
+            raise UserError(f"--rewards {name}: its parameter {p.name!r} is no column of the dataset (the "
+                            f"trainer passes each column by keyword: {given}); give it a default, or add the "
+                            f"column")
+    extra = [c for c in columns if c not in {p.name for p in named}]
+    if extra and not any(p.kind == P.VAR_KEYWORD for p in params):
+        raise UserError(f"--rewards {name} takes no {extra[0]!r}, and the trainer passes every column by "
+                        f"keyword ({given}): add **columns to its parameters")
+    try:
+        sig.bind([], [], **{c: [] for c in columns})
+    except TypeError as e:
+        raise UserError(f"--rewards {name}{sig} cannot be called as {call} with the columns {given} ({e}): "
+                        f"take (prompts, {outputs}, **columns)") from None
 
 
 @dataclass
@@ -129,14 +185,14 @@ class RewardArgs:
     def check(self, data):
         """The flags, then (a hub id becomes its snapshot) the reward model's checkpoint."""
         check_rules(self, [
-            ("rewards", len(self.rewards) >= 1, "at least one reward term"),
+            ("rewards", len(self.rewards) >= 1, "use at least one reward term"),
             ("reward_weights", len(self.reward_weights) in (0, len(self.rewards)),
-             f"one weight per --rewards term ({len(self.rewards)}), or none"),
+             f"use one weight per --rewards term ({len(self.rewards)}), or none"),
             ("reward_model", (self.reward_model is None) == ("rm" not in self.rewards),
-             "a reward model together with the `rm` term of --rewards (say both, or neither)"),
-            ("reward_timeout_s", self.reward_timeout_s > 0, "a positive number of seconds"),
-            ("code_timeout_s", self.code_timeout_s > 0, "a positive number of seconds"),
-            ("code_memory_mb", self.code_memory_mb >= 32, "32 or more")])
+             "a reward model and the `rm` term of --rewards go together: give both, or neither"),
+            ("reward_timeout_s", self.reward_timeout_s > 0, "use a positive number of seconds"),
+            ("code_timeout_s", self.code_timeout_s > 0, "use a positive number of seconds"),
+            ("code_memory_mb", self.code_memory_mb >= 32, "use 32 or more")])
         if "accuracy" in self.rewards and data.answer_column is None:
             raise UserError("--rewards accuracy compares each completion with the row's answer: pass "
                             "--answer-column, or use other --rewards")
@@ -145,11 +201,17 @@ class RewardArgs:
             reward_model.check(self.reward_model, data.model)
 
     def check_rows(self, rows: list[dict]):
-        """The code term on a dataset without a `tests` column: one error now, not every sample failing."""
+        """What the terms read from the rows, once before the steps: one error now, not every sample
+        failing. The code term needs a `tests` column; a module:function term is called with every
+        column by keyword (`check_reward`)."""
         if "code" in self.rewards and "tests" not in rows[0]:
             raise UserError(f"--rewards code runs each completion with its row's `tests` column, which the "
                             f"dataset has not (its columns: {', '.join(sorted(rows[0]))}): add one, or use "
                             f"other --rewards")
+        columns = [*dataset_columns(rows[:1], 1), "finish_reason"]  # what Scorer.score passes
+        for name in self.rewards:
+            if name not in REWARDS and name not in ("rm", "judge"):
+                check_reward(resolve(name), name, columns)
 
 
 @dataclass
@@ -167,8 +229,8 @@ class OverlongArgs:
     def check(self, max_new_tokens: int):
         check_rules(self, [
             ("overlong_buffer", 0 <= self.overlong_buffer <= max_new_tokens,
-             f"0 (off) or a number of tokens up to --max-new-tokens ({max_new_tokens})"),
-            ("overlong_penalty", 0 <= self.overlong_penalty < math.inf, "0 or more")])
+             f"use 0 (off) or a number of tokens up to --max-new-tokens ({max_new_tokens})"),
+            ("overlong_penalty", 0 <= self.overlong_penalty < math.inf, "use 0 or more")])
 
 
 class Scorer:

@@ -11,11 +11,13 @@ import torch
 from utils.data import check_same_tokenizer, forward_batches
 from utils.dist import load_sharded
 from utils.errors import UserError
+from utils.lora import check_model_dir
 from utils.model import read_config, sequence_scores
 
 
 def check(path: str, policy: str):
     """A checkpoint the reward-model role can use with this policy, else a UserError saying why."""
+    check_model_dir(path, "--reward-model")
     try:
         cfg = read_config(path)
     except FileNotFoundError as e:

@@ -31,7 +31,8 @@ class DistillArgs:
     APPLIES: ClassVar = {"distill_coef": ("teacher_model", lambda t: t is not None, "a --teacher-model")}
 
     def check(self):
-        check_rules(self, [("distill_coef", 0 < self.distill_coef < math.inf, "a positive weight such as 1")])
+        check_rules(self, [("distill_coef", 0 < self.distill_coef < math.inf,
+                            "use a positive weight such as 1")])
 
     def check_model(self, model: str):
         """The teacher's checkpoint (a hub id becomes its snapshot), and its tokenizer the policy's."""

@@ -373,3 +373,47 @@ def test_an_environment_that_breaks_its_contract_is_named_one_that_hangs_ends_it
     eps, rows = episodes(tok, lambda text, turn: "1", tools=(), env=f"{__name__}:Slow", env_timeout_s=0.5)
     out = eps.generate([rows[0]["ids"]], SamplingParams(n=2, max_new_tokens=8), [0])
     assert out.finish_reasons == ["env_error"] * 2 and out.episode["stop/env_error"].tolist() == [1.0, 1.0]
+
+
+class CallsItself:
+    """An --env that runs a tool itself on every turn but the last, counting in `calls` (the
+    documented attribute: docs/tools.md) and its failures in `errors`."""
+
+    def reset(self, row):
+        self.calls, self.errors = 0, {"raised": 0}
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        if text.strip() == "7":
+            return [], 1.0, True
+        self.calls += 1
+        self.errors["raised"] += 1
+        return [{"role": "user", "content": "tool says 7"}], 0.0, False
+
+
+class ListsItsCalls(CallsItself):
+    """`calls` as the list of the calls; `errors` of its own kind (a list): counted 0, no crash."""
+
+    def reset(self, row):
+        messages = super().reset(row)
+        self.calls, self.errors = [], ["not a count"]
+        return messages
+
+    def step(self, text):
+        if text.strip() != "7":
+            self.calls.append(("multiply", {"a": 1, "b": 7}))
+        return ([], 1.0, True) if text.strip() == "7" else ([{"role": "user", "content": "7"}], 0.0, False)
+
+
+@pytest.mark.parametrize("env", ["CallsItself", "ListsItsCalls"])
+def test_an_env_that_calls_tools_itself_counts_its_calls(tmp_path, env):
+    """episode/tool_calls reads the environment's `calls` (an int, or a list of the calls): an --env
+    that runs its tools itself no longer reports 0."""
+    tok = tokenizer(tmp_path)
+    turns = lambda text, turn: "7" if turn == 2 else "again"  # noqa: E731
+    eps, rows = episodes(tok, turns, tools=(), env=f"{__name__}:{env}")
+    out = eps.generate([rows[0]["ids"]], SamplingParams(n=2, max_new_tokens=64), [0])
+    assert out.finish_reasons == ["stop", "stop"] and out.episode["tool_calls"].tolist() == [2.0, 2.0]
+    raised = [2.0, 2.0] if env == "CallsItself" else [0.0, 0.0]
+    assert out.episode["tool_error/raised"].tolist() == raised
+    assert metrics(sums(out))["episode/tool_call_rate"] == 1

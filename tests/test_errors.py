@@ -21,6 +21,7 @@ from test_train_ppo import PPO_TINY
 
 from utils import errors
 from utils.data import train_tokenizer
+from utils.lora import write_peft
 
 # a frame of our own code in a traceback (torch's own utils/ excluded)
 OUR_FRAME = re.compile(r'File "[^"]*(train_(grpo|ppo|rm)\.py|placement\.py|roles/\w+\.py'
@@ -48,6 +49,9 @@ def make_inputs(tmp):
     (tmp / "yarn" / "config.json").write_text(json.dumps(config))
     shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "other_tokenizer")
     train_tokenizer(["another corpus, other merges"] * 10, str(tmp / "other_tokenizer"))
+    shutil.copytree(os.path.join(ROOT, "assets/arith-tiny"), tmp / "no_config")  # weights, no config.json
+    os.remove(tmp / "no_config" / "config.json")
+    write_peft(str(tmp / "adapter"), {}, 8, 16.0, base="assets/arith-tiny")  # what a --lora-rank run exports
 
 
 CASES = [  # (flags, what the error line must say)
@@ -61,9 +65,11 @@ CASES = [  # (flags, what the error line must say)
     (["--teacher-model", "{tmp}/other_tokenizer"], "--teacher-model {tmp}/other_tokenizer has another "
      "tokenizer than --model assets/arith-tiny: the teacher scores the policy's token ids"),
     (["--teacher-model", "{tmp}/nothing"], "--teacher-model: checkpoint directory"),
+    (["--teacher-model", "{tmp}/no_config"], "--teacher-model {tmp}/no_config has no config.json: point "
+     "--teacher-model at a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"),
     (["--distill-coef", "0", "--teacher-model", "assets/arith-teacher"], "--distill-coef 0.0: use a"),
     (["--dynamic-sampling", "--teacher-model", "assets/arith-teacher", "--reward-weights", "0"],
-     "--dynamic-sampling True: use off with distillation alone"),
+     "--dynamic-sampling True: with distillation alone every reward is weighted 0"),
     (["--temperature", "0"], "--temperature 0.0: use a positive number"),
     (["--top-p", "1.5"], "--top-p 1.5: use a number in (0, 1]"),
     (["--clip-low", "1"], "--clip-low 1.0: use a number in [0, 1)"),
@@ -75,7 +81,8 @@ CASES = [  # (flags, what the error line must say)
     (["--timeout-s", "0"], "--timeout-s 0.0: use a positive number of seconds"),
     (["--reward-weights", "1", "2"], "--reward-weights (1.0, 2.0): use one weight per --rewards term"),
     (["--resume", "/no/such/checkpoint"],
-     "--resume /no/such/checkpoint: use restart, auto, none or a complete"),
+     "--resume /no/such/checkpoint: no complete checkpoint is at that path: use restart, auto, none or a "
+     "complete"),
     (["--resume", "{tmp}"], "use restart, auto, none or a complete checkpoint"),
     (["--learning-rate", "1e-4"], "the flags do not parse (see above)"),
     (["--run-dir", "{tmp}/bad.jsonl"], "--run-dir"),
@@ -92,16 +99,19 @@ CASES = [  # (flags, what the error line must say)
     (["--prompts-per-step", "3"], "use a multiple such as [2, 4, 6]"),
     (["--minibatches", "3"], "--minibatches 3 does not split the 8 completions"),
     (["--answer-column", "None"], "--rewards accuracy compares each completion with the row's answer"),
-    (["--rewards", "accuracy", "rm"], "--reward-model None: use a reward model together with the `rm` term"),
+    (["--rewards", "accuracy", "rm"], "--reward-model None: a reward model and the `rm` term of --rewards go "
+     "together: give both, or neither"),
     (["--reward-model", "assets/arith-tiny"],
-     "--reward-model assets/arith-tiny: use a reward model together"),
+     "--reward-model assets/arith-tiny: a reward model and the `rm` term"),
     (["--rewards", "rm", "--reward-model", "assets/arith-tiny"],
      "--reward-model assets/arith-tiny is a Qwen2ForCausalLM: use a ...ForSequenceClassification checkpoint"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--dynamic-sampling", "--advantage", "remax"], "carry no signal only under a group baseline"),
     (["--placement", "partial", "--sampler-ranks", "1"],
-     "--judge-model None: use a judge: --placement partial"),
-    (["--rewards", "judge"], "--judge-model None: use a judge together with the `judge` term of --rewards"),
+     "--judge-model None: --placement partial splits the policy's ranks between a sampler and a judge: add a "
+     "--judge-model"),
+    (["--rewards", "judge"],
+     "--judge-model None: a judge and the `judge` term of --rewards go together: give both, or neither"),
     (["--rewards", "accuracy", "judge", "--judge-model", "assets/judge-tiny",
       "--judge-template", "{prompt} {why}"],
      "--judge-template reads {why}, which is no field"),
@@ -112,18 +122,27 @@ CASES = [  # (flags, what the error line must say)
     (["--tools", "nomodule:fn"], "--tools 'nomodule:fn' could not be loaded: ModuleNotFoundError"),
     (["--tools", "utils.env:multiply"], "--env / --tools: the tokenizer in assets/arith-tiny has no chat "
      "template"),
-    (["--env", "utils.env:multiply"], "--env utils.env:multiply: an environment class has reset(row)"),
+    (["--env", "utils.env:multiply"],
+     "--env utils.env:multiply is a function, not a class: pass a class with reset(row) and step(text)"),
+    (["--tools", f"{__name__}:add_all"],  # this file's user functions (at its end)
+     f"--tools {__name__}:add_all: *numbers takes any number of positional arguments"),
+    (["--tools", "utils.env:multiply", "--env", f"{__name__}:NeedsSeed"],
+     f"--env {__name__}:NeedsSeed: NeedsSeed(seed) cannot be made with no arguments"),
     (["--tools", "utils.env:multiply", "--max-turns", "0"], "--max-turns 0: use 1 or more"),
     (["--env", "tools"], "--env tools: name the tools with --tools"),
     # LoRA
     (["--lora-rank", "8", "--lora-targets", "q_proj,qkv"],
      "--lora-targets q_proj,qkv: ['qkv'] matches no linear"),
-    (["--lora-rank", "8", "--lora-vllm", "adapters"], "--lora-vllm adapters: use merged, or --engine vllm"),
+    (["--lora-rank", "8", "--lora-vllm", "adapters"], "--lora-vllm adapters: adapters is vLLM's mode (the "
+     "native engine takes the base once and then the adapters alone already): use merged, or --engine vllm"),
     (["--lora-rank", "1000", "--lora-vllm", "adapters", "--engine", "vllm"],
-     "--lora-rank 1000: use at most 512"),
+     "--lora-rank 1000: vLLM serves adapters up to rank 512: use at most 512, or --lora-vllm merged"),
     # the model checkpoint, before the process group
     (["--model", "{tmp}/truncated"], "truncated/model.safetensors is not a readable safetensors file"),
     (["--model", "{tmp}/nothing"], "--model: checkpoint directory"),
+    (["--model", "{tmp}/adapter"], "--model {tmp}/adapter is a LoRA adapter (adapter_config.json, no "
+     "config.json), not a whole model: pass its base model (assets/arith-tiny, as its adapter_config.json "
+     "says) as --model, with --lora-rank R to train adapters on it"),
     (["--model", "{tmp}/yarn"], "config.json: rope_scaling asks for rope_type 'yarn', which this trainer "
      "does not implement"),
     (["--model", "Qwen/Qwen3-0.6B"],
@@ -143,6 +162,9 @@ CASES = [  # (flags, what the error line must say)
      "bad.jsonl' line 2: not valid JSON"),  # on 3 ranks: the rollout rank leaves without a traceback
     # rewards, after the process group (the last two during the steps)
     (["--rewards", "nonsense"], "reward 'nonsense': use one of"),
+    (["--rewards", f"{__name__}:score_answer"],
+     f"--rewards {__name__}:score_answer takes no 'finish_reason', and the trainer passes every column by "
+     "keyword (answer, finish_reason): add **columns to its parameters"),
     (["--rewards", "tests.helpers.rewards:words"],
      "returned ['good', 'good', 'good', 'good']...: it must return"),
     (["--rewards", "tests.helpers.rewards:wrong_length"], "returned 1 scores for 8 completions"),
@@ -169,7 +191,8 @@ CASES += [  # a vision-language --model, and what only applies to one
 PPO_CASES = [  # train_ppo.py's own flags, and a shared check through its own check_args
     (["--value-clip", "0"], "--value-clip 0.0: use a positive number"),
     (["--lam", "1.5"], "--lam 1.5: use a number in [0, 1]"),
-    (["--kl-target", "0.1", "--kl-coef", "0"], "--kl-target 0.1: use it adapts --kl-coef"),
+    (["--kl-target", "0.1", "--kl-coef", "0"], "--kl-target 0.1: it adapts --kl-coef, which is 0 (no KL "
+     "term): give a --kl-coef above 0, or drop --kl-target"),
     (["--critic-model", "{tmp}/nothing"], "--critic-model: checkpoint directory"),
     (["--critic-model", "{tmp}/other_tokenizer"], "other_tokenizer has another tokenizer than --model "
      "assets/arith-tiny: the critic values the policy's token ids"),
@@ -492,3 +515,372 @@ def test_a_missing_vllm_is_one_line_on_every_rank_before_the_process_group(monke
                                 "--rollout-ranks", "1"])
     with pytest.raises(errors.UserError, match="--engine vllm needs vLLM. GPU: pip install -r requirements-"):
         check_args(args, 3)
+
+
+# User-supplied callables, checked once before the run against what the trainer calls (utils/env.py
+# check_tool and check_env, roles/reward.py check_reward): each mistake below is one line naming it.
+def add_all(*numbers: int) -> int:
+    """Add numbers (the issue's example: a tool call is a JSON object of named arguments)."""
+    return sum(numbers)
+
+
+def options(**flags: bool) -> str:
+    """Any keyword."""
+    return str(flags)
+
+
+def untyped(a, b: int) -> int:
+    """A parameter without a type."""
+    return a + b
+
+
+def pair(point: tuple[int, int]) -> int:
+    """A type JSON schema has no word for."""
+    return point[0]
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+def keyword_only(a: int, *, scale: float = 1.0) -> float:
+    """Keyword-only is fine: the worker passes every argument by name.
+
+    Args:
+        a: a number
+        scale: its factor
+    """
+    return a * scale
+
+
+lambda_tool = lambda a: a  # noqa: E731
+partial_tool = partial(keyword_only, scale=2.0)
+
+
+async def fetch(url: str) -> str:
+    """Fetches a page."""
+    return url
+
+
+def count_up(n: int):
+    """Yields its numbers."""
+    yield from range(n)
+
+
+def misdescribed(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        c: the second factor
+    """
+    return a * b
+
+
+def positional(a: int, /) -> int:
+    """Positional-only."""
+    return a
+
+
+def multiply(a: int, b: int) -> int:
+    """Another tool named multiply."""
+    return a * b
+
+
+def forward_ref(p: "Point") -> int:  # noqa: F821
+    """Its annotation names nothing."""
+    return 0
+
+
+class Game:
+    """A working environment."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        return [], 0.0, True
+
+
+class NeedsSeed(Game):
+    def __init__(self, seed):
+        self.seed = seed
+
+
+class TwoArgStep(Game):
+    def step(self, text, history):
+        return [], 0.0, True
+
+
+class NoReset:
+    def step(self, text):
+        return [], 0.0, True
+
+
+class NamedTools(Game):
+    tools = ["multiply"]
+
+
+class UntypedTool(Game):
+    tools = [untyped]
+
+
+def make_game():
+    return Game()
+
+
+GAME = Game()
+
+
+def score_answer(prompts, completions, answer):
+    return [0.0] * len(completions)
+
+
+def score_completions(completions, **columns):
+    return [0.0] * len(completions)
+
+
+def score_solution(prompts, completions, solution, **columns):
+    return [0.0] * len(completions)
+
+
+class Scorer:
+    def __init__(self, prompts, completions, **columns):
+        self.scores = [0.0] * len(completions)
+
+
+async def score_remotely(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+
+def score_lazily(prompts, completions, **columns):
+    yield from [0.0] * len(completions)
+
+
+def score_image(prompts, images, answer):
+    return [0.0] * len(images)
+
+
+M = __name__
+TOOL_MISTAKES = [  # (--tools, the error line)
+    ((f"{M}:add_all",),
+     f"--tools {M}:add_all: *numbers takes any number of positional arguments, which a tool call (a JSON "
+     "object of named arguments) cannot pass: take one list instead (numbers: list[int])"),
+    ((f"{M}:options",),
+     f"--tools {M}:options: **flags takes any keyword, which its JSON schema cannot describe to the model: "
+     "name each argument as a typed parameter"),
+    ((f"{M}:untyped",), f"--tools {M}:untyped: its parameter a has no type annotation, which its JSON schema "
+     "needs: annotate it (a: int, float, str, bool, list or dict)"),
+    ((f"{M}:pair",),
+     f"--tools {M}:pair: its parameter point: tuple[int, int] has no JSON schema type: use int, float, str, "
+     "bool, list or dict (or one of them | None, with a default)"),
+    ((f"{M}:undocumented",), f"--tools {M}:undocumented has no docstring: its first paragraph is the tool's "
+     "description in the chat template, and `name: text` lines under Args: describe the parameters; add one"),
+    # ten more of our own
+    ((f"{M}:lambda_tool",), f"--tools {M}:lambda_tool is a lambda, whose name (<lambda>) the model cannot "
+     "call: define it with def"),
+    ((f"{M}:partial_tool",), f"--tools {M}:partial_tool is a partial, not a function: a tool is a plain def "
+     "with typed parameters and a docstring (as utils.env:multiply)"),
+    ((f"{M}:fetch",), f"--tools {M}:fetch is async: the tool worker calls it plainly and would get a "
+     "coroutine, not its result: make it a plain def"),
+    ((f"{M}:count_up",), f"--tools {M}:count_up is a generator (it yields): the tool worker sends back what "
+     "it returns: return the text instead"),
+    ((f"{M}:misdescribed",),
+     f"--tools {M}:misdescribed: its docstring describes 'c' under Args:, which is no parameter of it (its "
+     "parameters: a, b): describe the parameters it has"),
+    ((f"{M}:positional",), f"--tools {M}:positional: its parameter a is positional-only (before /), and the "
+     "tool worker passes every argument by name: drop the /"),
+    (("utils.env:multiply", f"{M}:multiply"), f"--tools utils.env:multiply {M}:multiply: two tools are named "
+     "multiply, and the model calls a tool by its name: rename one"),
+    ((f"{M}:forward_ref",),
+     f"--tools {M}:forward_ref: its annotations do not resolve (NameError: name 'Point' is not defined); "
+     "annotate with int, float, str, bool, list or dict"),
+    ((f"{M}:Game",), f"--tools {M}:Game is a class, not a function: a tool is a plain def with typed "
+     "parameters and a docstring (as utils.env:multiply)"),
+]
+ENV_MISTAKES = [  # (--env, the error line)
+    (f"{M}:NeedsSeed",
+     f"--env {M}:NeedsSeed: NeedsSeed(seed) cannot be made with no arguments, as the trainer makes each "
+     "episode's instance: give its parameters defaults"),
+    (f"{M}:TwoArgStep",
+     f"--env {M}:TwoArgStep: TwoArgStep.step(text, history) cannot be called as step(text), with one "
+     "argument: take text alone (others need defaults)"),
+    (f"{M}:NoReset",
+     f"--env {M}:NoReset: NoReset has no reset(row) method: an environment class has reset(row) -> messages "
+     "and step(text) -> (messages, reward, done); add it (docs/tools.md)"),
+    # ours
+    (f"{M}:make_game", f"--env {M}:make_game is a function, not a class: pass a class with reset(row) and "
+     "step(text), of which the trainer makes one instance per episode (docs/tools.md)"),
+    (f"{M}:GAME", f"--env {M}:GAME is a Game, not a class: pass a class with reset(row) and step(text), of "
+     "which the trainer makes one instance per episode (docs/tools.md)"),
+    (f"{M}:NamedTools",
+     f"--env {M}:NamedTools: NamedTools.tools holds 'multiply', not a function: it lists the tool functions "
+     "themselves (tools = [multiply]), not their names"),
+    (f"{M}:UntypedTool", f"--env {M}:UntypedTool: its tool untyped: its parameter a has no type annotation, "
+     "which its JSON schema needs: annotate it (a: int, float, str, bool, list or dict)"),
+]
+REWARD_MISTAKES = [  # (--rewards, the error line), the built-in task's columns: answer, finish_reason
+    (f"{M}:score_answer",
+     f"--rewards {M}:score_answer takes no 'finish_reason', and the trainer passes every column by keyword "
+     "(answer, finish_reason): add **columns to its parameters"),
+    # ours
+    (f"{M}:score_completions",
+     f"--rewards {M}:score_completions(completions, **columns) cannot take prompts and completions as its "
+     "first two arguments: the trainer calls fn(prompts, completions, **columns); make its parameters "
+     "(prompts, completions, **columns)"),
+    (f"{M}:score_solution", f"--rewards {M}:score_solution: its parameter 'solution' is no column of the "
+     "dataset (the trainer passes each column by keyword: answer, finish_reason); give it a default, or add "
+     "the column"),
+    (f"{M}:Scorer", f"--rewards {M}:Scorer is a class, not a function: the trainer calls fn(prompts, "
+     "completions, **columns) and reads the list of scores it returns; pass a function"),
+    (f"{M}:score_remotely", f"--rewards {M}:score_remotely is async: the trainer calls it plainly and would "
+     "get a coroutine, not scores: make it a plain def that returns the list of scores"),
+    (f"{M}:score_lazily", f"--rewards {M}:score_lazily is a generator (it yields): the trainer reads what it "
+     "returns: return the list of scores instead"),
+    (f"{M}:M", f"--rewards {M}:M is a str, not a function: the trainer calls fn(prompts, completions, "
+     "**columns) and reads the list of scores it returns; pass a function"),
+]
+
+
+@pytest.mark.parametrize("tools,says", TOOL_MISTAKES, ids=[t[-1].split(":")[-1] for t, _ in TOOL_MISTAKES])
+def test_a_tool_the_trainer_cannot_describe_or_call_is_refused_before_the_run(tools, says):
+    from utils.episodes import EnvArgs
+
+    with pytest.raises(errors.UserError) as e:
+        EnvArgs(tools=tools).check()
+    assert str(e.value) == says
+
+
+@pytest.mark.parametrize("env,says", ENV_MISTAKES, ids=[e.split(":")[-1] for e, _ in ENV_MISTAKES])
+def test_an_environment_the_trainer_cannot_make_or_call_is_refused_before_the_run(env, says):
+    from utils.episodes import EnvArgs
+
+    with pytest.raises(errors.UserError) as e:
+        EnvArgs(env=env).check()
+    assert str(e.value) == says
+
+
+@pytest.mark.parametrize("name,says", REWARD_MISTAKES, ids=[n.split(":")[-1] for n, _ in REWARD_MISTAKES])
+def test_a_reward_function_the_trainer_cannot_call_is_refused_before_the_steps(name, says):
+    from roles.reward import RewardArgs
+    from utils.data import multiply_rows
+
+    rows = [{**r, "ids": [1, 2], "text": r["prompt"]} for r in multiply_rows("train")[:2]]
+    with pytest.raises(errors.UserError) as e:
+        RewardArgs(rewards=(name,)).check_rows(rows)
+    assert str(e.value) == says
+
+
+def test_what_the_trainer_can_call_passes_its_check():
+    """Keyword-only and `X | None` parameters, a staticmethod reset, **columns: all fine."""
+    from roles.reward import RewardArgs
+    from utils.env import schema
+    from utils.episodes import EnvArgs
+
+    EnvArgs(tools=("utils.env:multiply", f"{M}:keyword_only")).check()
+    EnvArgs(env=f"{M}:Game").check()
+    EnvArgs(env="utils.env:Retry").check()
+    rows = [{"prompt": "1+1=", "answer": "2", "ids": [1], "text": "1+1="}]
+    RewardArgs(rewards=("accuracy", "tests.helpers.rewards:length_bonus")).check_rows(rows)
+    assert schema(keyword_only)["function"]["parameters"]["properties"]["scale"]["type"] == "number"
+
+
+def test_a_flow_reward_function_is_checked_against_fn_prompts_images():
+    import train_flow_grpo
+
+    args = tyro.cli(train_flow_grpo.Args, args=["--rewards", "colour", f"{M}:score_image"])
+    with pytest.raises(errors.UserError) as e:
+        train_flow_grpo.check_args(args, 2)
+    said = (f"--rewards {M}:score_image: its parameter 'answer' would get no value, as the trainer calls "
+            "fn(prompts, images): give it a default, or drop it")
+    assert str(e.value) == said
+
+
+def test_a_checkpoint_without_config_json_is_named_by_its_flag_and_an_adapter_says_how_to_use_it(tmp_path):
+    """The flag given, not --model; a LoRA adapter directory (what --lora-rank exports) says what it is."""
+    from roles import judge, reward_model
+    from run import checked_model
+
+    write_peft(str(tmp_path / "adapter"), {}, 8, 16.0)  # no base recorded
+    (tmp_path / "empty").mkdir()
+    checks = {"--teacher-model": partial(checked_model, flag="--teacher-model"),
+              "--critic-model": partial(checked_model, flag="--critic-model", tokenizer=False),
+              "--reward-model": partial(reward_model.check, policy="assets/arith-tiny"),
+              "--judge-model": partial(judge.check, template=None)}
+    for flag, check in checks.items():
+        with pytest.raises(errors.UserError) as e:
+            check(str(tmp_path / "adapter"))
+        assert str(e.value) == (f"{flag} {tmp_path}/adapter is a LoRA adapter (adapter_config.json, no "
+                                f"config.json), not a whole model: merge it into its base model (peft's "
+                                f"merge_and_unload, then save_pretrained; a --lora-rank run writes that "
+                                f"itself with --merge-on-export) and pass that directory as {flag}")
+        with pytest.raises(errors.UserError) as e:
+            check(str(tmp_path / "empty"))
+        assert str(e.value) == (f"{flag} {tmp_path}/empty has no config.json: point {flag} at a Hugging Face "
+                                f"checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+
+
+def rule_tables() -> list[tuple[str, str, str]]:
+    """(where, flag, what the rule says after "--flag VALUE: ") for every rule of every
+    `check_rules(cfg, [...])` call in the repository's code, read from its source (an f-string's
+    fields as {...}): no copy of the messages here, and a table added later is read too."""
+    import ast
+
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "__pycache__")]
+        for file in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            for node in ast.walk(ast.parse(open(path).read())):
+                name = getattr(node, "func", None)
+                if getattr(name, "id", getattr(name, "attr", None)) != "check_rules":
+                    continue
+                table = node.args[1]
+                assert isinstance(table, ast.List), f"{path}:{node.lineno}: a rules table not written out"
+                for rule in table.elts:
+                    flag, _, says = rule.elts
+                    found.append((f"{os.path.relpath(path, ROOT)}:{rule.lineno}", errors.flag(flag.value),
+                                  source_text(says)))
+    return found
+
+
+def source_text(node) -> str:
+    import ast
+
+    if isinstance(node, ast.Constant):
+        return node.value
+    return "".join(v.value if isinstance(v, ast.Constant) else "{...}" for v in node.values)  # an f-string
+
+
+REMEDY = re.compile(r"(^|: |; |, |\(|or )(use|add|drop|give|launch|pass|point|rename|leave)\b")
+# "use" followed by a clause (a verb of its own) is the old format gone wrong: "use it moves ranks ..."
+USE_CLAUSE = re.compile(r"\buse (.*?)(?=[:;(]|$)")
+VERB = re.compile(r"\b(it|is|are|has|have|moves|keeps|decides|drops|restarts|forces|adapts|splits|runs|takes"
+                  r"|reads|serves|carries|needs)\b")
+
+
+def reads_wrong(says: str) -> str | None:
+    """Why a rule's text does not read as the rest of a sentence that says what to do, or None."""
+    if not REMEDY.search(says):
+        return "says nothing to do (use, add, drop, give, launch, pass, ...)"
+    for clause in USE_CLAUSE.findall(says):
+        if clause.startswith("use") or VERB.search(clause):
+            return f"'use {clause}' is no phrase that follows 'use'"
+    if says[:1].isupper() or says.rstrip()[-1:] in ":;,":
+        return "is not the rest of a sentence after '--flag VALUE: '"
+    return None
+
+
+def test_every_rule_reads_as_a_sentence_that_says_what_to_do():
+    """check_rules says "--flag VALUE: <the rule's text>": each text says what is wrong and what to
+    do. The old format ("use " + a text) made "--rebalance True: use it moves ranks between roles"."""
+    tables = rule_tables()
+    assert len({where.split(":")[0] for where, _, _ in tables}) >= 14 and len(tables) >= 130, len(tables)
+    wrong = [(where, f"{flag} VALUE: {says}", why) for where, flag, says in tables
+             if (why := reads_wrong(says))]
+    assert not wrong, "\n".join(map(str, wrong))
+    for old in ("use it moves ranks between roles: add --placement disaggregate",  # the issue's three
+                "use a move restarts the workers in the new layout: launch with torchrun --max-restarts N",
+                "use it decides each refill from the last wave's rewards, so it runs on-policy: drop it",
+                "1 or more", "use use 1 or more"):
+        assert reads_wrong(old), old

@@ -66,5 +66,5 @@ def test_what_gen_tp_does_not_fit_is_refused():
     said = refused("--gen-tp", "4", world=4)  # arith-tiny: 4 heads, 2 key-value heads
     assert "the model's 2 key-value heads do not split over 4 ranks; fits: --gen-tp in [1, 2]" in said
     said = refused("--gen-tp", "2", "--placement", "disaggregate", "--rollout-ranks", "1", world=3)
-    assert "--gen-tp 2: use it with --placement colocate (it splits colocated generation)" in said
+    assert "--gen-tp 2: it splits colocated generation, which --placement disaggregate has not" in said
     assert "--gen-tp 2 with LoRA: the adapters are not split" in refused("--gen-tp", "2", "--lora-rank", "4")

@@ -1,13 +1,21 @@
 """Environments for multi-turn episodes (utils/episodes.py runs them, token in, token out).
 
-An environment is a class with two methods; one instance plays one episode:
+An environment is a class with two methods; one instance, made with Guess(), plays one episode:
 
     class Guess:                                   # --env mymodule:Guess
         tools = []                                 # functions offered to the chat template (optional)
+        calls = 0                                  # tool calls it ran this episode (optional): an int
+                                                   #   or a list of them; episode/tool_calls reads it
         def reset(self, row) -> list[dict]:        # the dataset row -> the opening chat messages
             return [{"role": "user", "content": row["prompt"]}]
         def step(self, text: str):                 # the model's turn (its text) ->
             return [], 0.0, True                   #   (new messages, a reward, whether it is over)
+
+An environment that runs tools itself counts them in `calls` (and, optionally, its failures in
+`errors`, {kind: count} over ERRORS); without them its episodes count 0 tool calls. The class and
+every tool are checked once before the run against how the trainer calls them (`check_env`,
+`check_tool`): a tool needs a docstring and typed parameters that a JSON object of named arguments
+can fill (no *args, **kwargs or positional-only ones).
 
 `--tools module:fn ...` needs no class: `ToolEnv` offers the plain Python functions as tools (their
 JSON schema read from the signature and docstring, as transformers' get_json_schema does),
@@ -31,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import typing
 from collections import Counter
 
@@ -80,6 +89,149 @@ def load(spec: str, flag: str):
 
 
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+ARGS_LINE = re.compile(r"^\s+(\w+)(?: \([^)]*\))?: (.+)$", re.M)  # `name: text` under a docstring's Args:
+
+
+def json_type(hint) -> str | None:
+    """A parameter's JSON schema type from its annotation (int -> "integer", list[int] -> "array",
+    `X | None` -> X's), or None where JSON schema has no type for it."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        hint = args[0] if args[1] is type(None) else args[1]
+    return JSON_TYPES.get(typing.get_origin(hint) or hint)
+
+
+def described(doc: str) -> dict:
+    """{parameter: its description} from the `name: text` lines under a docstring's Args:."""
+    return dict(ARGS_LINE.findall(doc.split("Args:", 1)[1])) if "Args:" in doc else {}
+
+
+def check_tool(fn, where: str):
+    """A tool as the trainer uses it, checked once before the run: `schema` describes it to the
+    model and the worker calls it as fn(**arguments), the model's JSON object. So its name is a
+    name, each parameter has a JSON type and can be passed by keyword (keyword-only is fine; *args,
+    **kwargs and positional-only are not), and its docstring says what it does. where: "--tools
+    module:fn", or the environment's tool; one error naming it and what to change."""
+    if not inspect.isfunction(fn):
+        kind = "class" if inspect.isclass(fn) else type(fn).__name__
+        raise UserError(f"{where} is a {kind}, not a function: a tool is a plain def with typed parameters "
+                        "and a docstring (as utils.env:multiply)")
+    if not fn.__name__.isidentifier():
+        raise UserError(f"{where} is a lambda, whose name ({fn.__name__}) the model cannot call: define it "
+                        "with def")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise UserError(f"{where} is async: the tool worker calls it plainly and would get a coroutine, not "
+                        "its result: make it a plain def")
+    if inspect.isgeneratorfunction(fn):
+        raise UserError(f"{where} is a generator (it yields): the tool worker sends back what it returns: "
+                        "return the text instead")
+    doc = inspect.getdoc(fn) or ""
+    if not doc.strip():
+        raise UserError(f"{where} has no docstring: its first paragraph is the tool's description in the "
+                        "chat template, and `name: text` lines under Args: describe the parameters; add one")
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as e:  # an annotation that names nothing importable
+        raise UserError(f"{where}: its annotations do not resolve ({type(e).__name__}: {e}); annotate with "
+                        "int, float, str, bool, list or dict") from None
+    params = inspect.signature(fn).parameters
+    for name, p in params.items():
+        check_tool_parameter(where, name, p, hints)
+    stray = [name for name in described(doc) if name not in params]
+    if stray:
+        raise UserError(f"{where}: its docstring describes {stray[0]!r} under Args:, which is no "
+                        f"parameter of it (its parameters: {', '.join(params) or 'none'}): describe the "
+                        f"parameters it has")
+
+
+def check_tool_parameter(where: str, name: str, p: inspect.Parameter, hints: dict):
+    """One parameter of a tool (`check_tool`): passed by keyword from JSON, typed for the schema."""
+    P = inspect.Parameter
+    if p.kind == P.VAR_POSITIONAL:
+        item = typing_name(hints[name]) if name in hints else "int"
+        raise UserError(f"{where}: *{name} takes any number of positional arguments, which a tool call (a "
+                        f"JSON object of named arguments) cannot pass: take one list instead ({name}: "
+                        f"list[{item}])")
+    if p.kind == P.VAR_KEYWORD:
+        raise UserError(f"{where}: **{name} takes any keyword, which its JSON schema cannot describe to the "
+                        "model: name each argument as a typed parameter")
+    if p.kind == P.POSITIONAL_ONLY:
+        raise UserError(f"{where}: its parameter {name} is positional-only (before /), and the tool worker "
+                        "passes every argument by name: drop the /")
+    if name not in hints:
+        raise UserError(f"{where}: its parameter {name} has no type annotation, which its JSON schema needs: "
+                        f"annotate it ({name}: int, float, str, bool, list or dict)")
+    if json_type(hints[name]) is None:
+        raise UserError(f"{where}: its parameter {name}: {typing_name(hints[name])} has no JSON schema type: "
+                        f"use int, float, str, bool, list or dict (or one of them | None, with a default)")
+
+
+def typing_name(hint) -> str:
+    """An annotation as it was written: int, list[int], typing.Any, MyClass."""
+    return hint.__name__ if isinstance(hint, type) and not typing.get_args(hint) else str(hint)
+
+
+def check_env(cls, spec: str):
+    """An --env class as the trainer uses it, checked once before the run: one instance per
+    episode made with cls(), then reset(row) and step(text) on it; its `tools` (optional) are
+    described to the model (`check_tool`). One error naming it and what to change."""
+    where = f"--env {spec}"
+    if not inspect.isclass(cls):
+        raise UserError(f"{where} is a {type(cls).__name__}, not a class: pass a class with reset(row) and "
+                        "step(text), of which the trainer makes one instance per episode (docs/tools.md)")
+    for method, arg in (("reset", "row"), ("step", "text")):
+        fn = getattr(cls, method, None)
+        if not callable(fn):
+            raise UserError(f"{where}: {cls.__name__} has no {method}({arg}) method: an environment class "
+                            "has reset(row) -> messages and step(text) -> (messages, reward, done); add it "
+                            "(docs/tools.md)")
+        if inspect.iscoroutinefunction(fn):
+            raise UserError(f"{where}: {cls.__name__}.{method} is async: the trainer calls it plainly and "
+                            "would get a coroutine: make it a plain def")
+        sig = method_signature(cls, method)
+        if not fits(sig, 1):
+            raise UserError(f"{where}: {cls.__name__}.{method}{sig} cannot be called as {method}({arg}), "
+                            f"with one argument: take {arg} alone (others need defaults)")
+    if not fits(init_signature(cls), 0):
+        raise UserError(f"{where}: {cls.__name__}{init_signature(cls)} cannot be made with no arguments, as "
+                        "the trainer makes each episode's instance: give its parameters defaults")
+    tools = getattr(cls, "tools", [])
+    if not isinstance(tools, (list, tuple)):
+        raise UserError(f"{where}: {cls.__name__}.tools is a {type(tools).__name__}: make it a list of the "
+                        "tool functions (tools = [multiply])")
+    for fn in tools:
+        if not callable(fn):
+            raise UserError(f"{where}: {cls.__name__}.tools holds {fn!r:.60}, not a function: it lists the "
+                            "tool functions themselves (tools = [multiply]), not their names")
+    for fn in tools:
+        check_tool(fn, f"{where}: its tool {getattr(fn, '__name__', fn)}")
+
+
+def method_signature(cls, name: str) -> inspect.Signature:
+    """A method's signature as an instance calls it: self left out (a staticmethod has none)."""
+    sig = inspect.signature(getattr(cls, name))
+    if isinstance(inspect.getattr_static(cls, name), (staticmethod, classmethod)):
+        return sig
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+def init_signature(cls) -> inspect.Signature | None:
+    """cls()'s signature, the trainer's call (None where Python cannot describe it: not checked)."""
+    try:
+        return inspect.signature(cls)
+    except (TypeError, ValueError):
+        return None
+
+
+def fits(sig: inspect.Signature | None, positional: int) -> bool:
+    """Whether a call with this many positional arguments binds to `sig` (None: not known, fits)."""
+    if sig is None:
+        return True
+    try:
+        sig.bind(*[None] * positional)
+    except TypeError:
+        return False
+    return True
 
 
 def schema(fn) -> dict:
@@ -87,15 +239,13 @@ def schema(fn) -> dict:
     {name, description, parameters}}): the types from its annotations, the descriptions from its
     docstring (its first paragraph, and `name: text` lines under `Args:`)."""
     doc = inspect.getdoc(fn) or ""
-    described = dict(re.findall(r"^\s+(\w+)(?: \([^)]*\))?: (.+)$", doc.split("Args:", 1)[1], re.M)
-                     if "Args:" in doc else [])
+    descriptions = described(doc)
     hints = typing.get_type_hints(fn)
     properties, required = {}, []
     for name, p in inspect.signature(fn).parameters.items():
-        kind = typing.get_origin(hints.get(name)) or hints.get(name)
-        prop = {"type": JSON_TYPES.get(kind, "string")}
-        if name in described:
-            prop["description"] = described[name]
+        prop = {"type": json_type(hints.get(name)) or "string"}  # check_tool refused any other
+        if name in descriptions:
+            prop["description"] = descriptions[name]
         properties[name] = prop
         if p.default is inspect.Parameter.empty:
             required.append(name)

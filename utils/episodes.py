@@ -23,14 +23,13 @@ Budgets: --max-turns, --max-turn-tokens a model turn, --max-tool-tokens an envir
 --max-new-tokens the whole episode after the prompt (the model's and the environment's tokens).
 """
 import random
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from utils.engines import Engine, Samples
-from utils.env import ERRORS, ToolEnv, ToolWorker, load, schema
+from utils.env import ERRORS, ToolEnv, ToolWorker, check_env, check_tool, load, schema
 from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, time_limit
 
@@ -66,26 +65,38 @@ class EnvArgs:
         if self.tools and self.env is None:
             self.env = "tools"  # --tools alone: the tool environment
         check_rules(self, [
-            ("max_turns", self.max_turns >= 1, "1 or more"),
-            ("max_turn_tokens", self.max_turn_tokens >= 1, "1 or more"),
-            ("max_tool_tokens", self.max_tool_tokens >= 1, "1 or more"),
-            ("env_timeout_s", self.env_timeout_s > 0, "a positive number of seconds"),
-            ("tool_timeout_s", self.tool_timeout_s > 0, "a positive number of seconds"),
-            ("tool_memory_mb", self.tool_memory_mb >= 64, "64 or more")])
+            ("max_turns", self.max_turns >= 1, "use 1 or more"),
+            ("max_turn_tokens", self.max_turn_tokens >= 1, "use 1 or more"),
+            ("max_tool_tokens", self.max_tool_tokens >= 1, "use 1 or more"),
+            ("env_timeout_s", self.env_timeout_s > 0, "use a positive number of seconds"),
+            ("tool_timeout_s", self.tool_timeout_s > 0, "use a positive number of seconds"),
+            ("tool_memory_mb", self.tool_memory_mb >= 64, "use 64 or more")])
         if self.env is not None:
-            self.make()  # the class and the tools load
+            self.check_callables()
+
+    def check_callables(self):
+        """The tools and the environment class load and fit what the trainer calls (utils.env
+        `check_tool`, `check_env`), once, before the run; the model calls a tool by its name, so two
+        tools may not share one."""
+        if self.env == "tools" and not self.tools:
+            raise UserError("--env tools: name the tools with --tools module:function ...")
+        names = {}
+        for spec in self.tools:
+            fn = load(spec, "--tools")
+            check_tool(fn, f"--tools {spec}")
+            if fn.__name__ in names:
+                raise UserError(f"--tools {names[fn.__name__]} {spec}: two tools are named {fn.__name__}, "
+                                "and the model calls a tool by its name: rename one")
+            names[fn.__name__] = spec
+        if self.env != "tools":
+            check_env(load(self.env, "--env"), self.env)
 
     def make(self):
         """(a new environment per call, the tools' schemas, the tools' worker or None)."""
         if self.env == "tools" or self.env is None:
-            if not self.tools:
-                raise UserError("--env tools: name the tools with --tools module:function ...")
             worker = ToolWorker(self.tools, self.tool_timeout_s, self.tool_memory_mb)
             return (lambda: ToolEnv(worker)), [schema(f) for f in worker.functions], worker
-        cls = load(self.env, "--env")
-        if not (callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
-            raise UserError(f"--env {self.env}: an environment class has reset(row) and step(text) "
-                            "(utils/env.py)")
+        cls = load(self.env, "--env")  # as check_callables found it
         worker = ToolWorker(self.tools, self.tool_timeout_s, self.tool_memory_mb) if self.tools else None
         tools = [schema(f) for f in (worker.functions if worker else getattr(cls, "tools", []))]
         return cls, tools, worker
@@ -104,6 +115,23 @@ class EnvArgs:
         """An engine's context for prompts + --max-new-tokens = `length`: one turn's request may
         reach past an episode's own budget by up to --max-turn-tokens (it is cut to it after)."""
         return length + (self.max_turn_tokens if self.env is not None else 0)
+
+
+def tool_calls(env) -> int:
+    """The tool calls an episode's environment says it ran (docs/tools.md): its `calls`, a count
+    (ToolEnv's) or the list of the calls; 0 without one (an --env that runs no tools, or that does
+    not count them), and 0 for any other value rather than a crash in the middle of a step."""
+    calls = getattr(env, "calls", 0)
+    if isinstance(calls, (list, tuple)):
+        return len(calls)
+    return int(calls) if isinstance(calls, (int, float)) and not isinstance(calls, bool) else 0
+
+
+def tool_errors(env) -> dict:
+    """An environment's failed tool calls by kind (ERRORS), its `errors` (ToolEnv's Counter, or any
+    dict); {} without one or for another value (docs/tools.md)."""
+    errors = getattr(env, "errors", None)
+    return errors if isinstance(errors, dict) else {}
 
 
 def wrap(local_engine, cfg: EnvArgs, tok, rows: list[dict], max_new_tokens: int):
@@ -287,9 +315,9 @@ class Episodes(Engine):
             versions[i, :L] = torch.tensor(e.versions, dtype=torch.long)
         stats = {"turns": [e.turns for e in eps], "env_tokens": [e.env_tokens for e in eps],
                  "env_reward": [e.reward for e in eps],
-                 "tool_calls": [getattr(e.env, "calls", 0) for e in eps]}
+                 "tool_calls": [tool_calls(e.env) for e in eps]}
         for kind in ERRORS:
-            counts = [getattr(e.env, "errors", Counter())[kind] for e in eps]
+            counts = [tool_errors(e.env).get(kind, 0) for e in eps]
             if kind == "too_long":  # and the messages cut to --max-tool-tokens
                 counts = [c + e.cut for c, e in zip(counts, eps)]
             stats[f"tool_error/{kind}"] = counts

@@ -32,11 +32,13 @@ class UserError(ValueError):
 
 
 def check_rules(cfg, rules):
-    """rules: [(flag, holds, what to use instead)] over the fields of `cfg` (a flags dataclass);
-    the first that does not hold is the error, naming the flag and its value."""
-    for name, holds, use in rules:
+    """rules: [(flag, holds, says)] over the fields of `cfg` (a flags dataclass); the first that
+    does not hold is the error "--flag VALUE: <says>". `says` is the rest of a sentence: what is
+    wrong and what to do, "use 1 or more" for a range, "it only applies to ...: add ..." for a
+    combination (tests/test_errors.py reads every table and refuses a rule that says no remedy)."""
+    for name, holds, says in rules:
         if not holds:
-            raise UserError(f"{flag(name)} {getattr(cfg, name)}: use {use}")
+            raise UserError(f"{flag(name)} {getattr(cfg, name)}: {says}")
 
 
 def flag(name: str) -> str:

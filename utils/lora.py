@@ -50,14 +50,16 @@ class LoraArgs:
 
     def check(self, engine: str = "native", placement: str = "colocate"):
         check_rules(self, [
-            ("lora_rank", self.lora_rank >= 0, "0 (off) or a rank such as 8"),
-            ("lora_alpha", 0 < self.lora_alpha < math.inf, "a positive scale such as 16"),
-            ("lora_vllm", self.lora_vllm == "merged" or engine == "vllm", "merged, or --engine vllm: the "
-             "native engine takes the base once and then the adapters alone already"),
-            ("lora_vllm", self.lora_vllm == "merged" or placement != "partial", "merged in partial "
-             "placement: its judge ranks take part in the samplers' weight gathers"),
+            ("lora_rank", self.lora_rank >= 0, "use 0 (off) or a rank such as 8"),
+            ("lora_alpha", 0 < self.lora_alpha < math.inf, "use a positive scale such as 16"),
+            ("lora_vllm", self.lora_vllm == "merged" or engine == "vllm",
+             "adapters is vLLM's mode (the native engine takes the base once and then the adapters alone "
+             "already): use merged, or --engine vllm"),
+            ("lora_vllm", self.lora_vllm == "merged" or placement != "partial",
+             "in partial placement the judge ranks take part in the samplers' weight gathers: use merged"),
             ("lora_rank", self.lora_vllm == "merged" or self.lora_rank <= VLLM_RANKS[-1],
-             f"at most {VLLM_RANKS[-1]}: vLLM serves adapters up to that rank (or --lora-vllm merged)")])
+             f"vLLM serves adapters up to rank {VLLM_RANKS[-1]}: use at most {VLLM_RANKS[-1]}, or "
+             f"--lora-vllm merged")])
         if self.lora_rank:
             self.targets()
 
@@ -202,6 +204,35 @@ def write_peft(path: str, adapters: dict, rank: int, alpha: float, base: str = "
               "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def check_model_dir(path: str, flag: str):
+    """A checkpoint directory given to `flag` (--model, --teacher-model, ...) has config.json, else
+    one error naming that flag. Here because the usual such directory is a LoRA adapter (what a
+    --lora-rank run exports: adapter_config.json and the adapters, no base weights): it says so
+    and how an adapter is used. A directory that is not there is left to utils.model.read_config."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    adapter = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(adapter):
+        raise UserError(f"{flag} {path} has no config.json: point {flag} at a Hugging Face checkpoint "
+                        "directory (config.json, *.safetensors, tokenizer.json)")
+    try:
+        with open(adapter) as f:
+            base = json.load(f).get("base_model_name_or_path") or ""
+    except (OSError, ValueError, AttributeError):
+        base = ""
+    base = f" ({base}, as its adapter_config.json says)" if base else ""
+    if flag == "--model":
+        raise UserError(f"--model {path} is a LoRA adapter (adapter_config.json, no config.json), not a "
+                        f"whole model: pass its base model{base} as --model, with --lora-rank R to train "
+                        "adapters on it; to start from this adapter, merge it into its base first (peft's "
+                        "merge_and_unload, then save_pretrained; a --lora-rank run writes that itself with "
+                        "--merge-on-export)")
+    raise UserError(f"{flag} {path} is a LoRA adapter (adapter_config.json, no config.json), not a whole "
+                    f"model: merge it into its base model{base} (peft's merge_and_unload, then "
+                    f"save_pretrained; a --lora-rank run writes that itself with --merge-on-export) and pass "
+                    f"that directory as {flag}")
 
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices (config/lora.py)

@@ -32,8 +32,9 @@ class MismatchArgs:
         "mismatch_high": ("mismatch", lambda m: m != "none", "--mismatch tis, mis or icepop")}
 
     def check(self):
-        check_rules(self, [("mismatch_low", 0 <= self.mismatch_low <= 1, "a number in [0, 1], such as 0.5"),
-                           ("mismatch_high", 1 <= self.mismatch_high < math.inf, "1 or more, such as 2")])
+        check_rules(self, [
+            ("mismatch_low", 0 <= self.mismatch_low <= 1, "use a number in [0, 1], such as 0.5"),
+            ("mismatch_high", 1 <= self.mismatch_high < math.inf, "use 1 or more, such as 2")])
 
 
 class Correction:
