@@ -28,7 +28,8 @@ import torch
 
 import placement
 from roles.flow_actor import FlowActor
-from roles.reward import Reward, check_reward, resolve
+from roles.reward import Reward, resolve
+from utils.callables import check_reward
 from run import Flat, Run, RunArgs, parse
 from utils import dist, flow, shapes
 from utils.data import prompt_seed

@@ -18,7 +18,6 @@ counted in the step's metrics (`reward/failures`); so does a call that runs past
 """
 import functools
 import importlib
-import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from roles import reward_model
 from roles.judge import judge_chunk
 from utils import algos
 from utils.model import local_dir
+from utils.callables import check_reward
 from utils.data import dataset_columns, make_batch, per_sample
 from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, check_sandbox, run_sandboxed, time_limit
@@ -107,59 +107,6 @@ def resolve(name: str):
         return getattr(importlib.import_module(module), fn)
     except Exception as e:  # not found, or the module itself fails on import (a SyntaxError too)
         raise UserError(f"reward {name!r} could not be loaded: {type(e).__name__}: {e}") from None
-
-
-def check_reward(fn, name: str, columns: list[str], outputs: str = "completions"):
-    """A 'module:function' term as `_call` calls it, checked once before the run: fn(prompts,
-    completions, **columns) with every column (the dataset's and finish_reason) by keyword, whose
-    result it reads as scores; `outputs` names the second argument (train_flow_grpo.py: images).
-    One error naming it and what to change."""
-    call = f"fn(prompts, {outputs}, **columns)" if columns else f"fn(prompts, {outputs})"
-    if inspect.isclass(fn) or not callable(fn):
-        kind = "class" if inspect.isclass(fn) else type(fn).__name__
-        raise UserError(f"--rewards {name} is a {kind}, not a function: the trainer calls {call} and reads "
-                        "the list of scores it returns; pass a function")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise UserError(f"--rewards {name} is async: the trainer calls it plainly and would get a coroutine, "
-                        "not scores: make it a plain def that returns the list of scores")
-    if inspect.isgeneratorfunction(fn):
-        raise UserError(f"--rewards {name} is a generator (it yields): the trainer reads what it returns: "
-                        "return the list of scores instead")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a callable Python cannot describe (some built-ins): not checked
-        return
-    check_reward_parameters(sig, name, columns, outputs, call)
-
-
-def check_reward_parameters(sig: inspect.Signature, name: str, columns: list[str], outputs: str, call: str):
-    """`check_reward`'s second half: the two positional arguments, then each column by keyword."""
-    given = ", ".join(columns) or "none"
-    P = inspect.Parameter
-    params = list(sig.parameters.values())
-    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:2]
-    if len(positional) < 2 and not any(p.kind == P.VAR_POSITIONAL for p in params):
-        raise UserError(f"--rewards {name}{sig} cannot take prompts and {outputs} as its first two "
-                        f"arguments: the trainer calls {call}; make its parameters (prompts, {outputs}, "
-                        f"**columns)")
-    named = [p for p in params if p not in positional and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
-    for p in named:
-        if p.default is P.empty and not columns:
-            raise UserError(f"--rewards {name}: its parameter {p.name!r} would get no value, as the trainer "
-                            f"calls {call}: give it a default, or drop it")
-        if p.default is P.empty and p.name not in columns:
-            raise UserError(f"--rewards {name}: its parameter {p.name!r} is no column of the dataset (the "
-                            f"trainer passes each column by keyword: {given}); give it a default, or add the "
-                            f"column")
-    extra = [c for c in columns if c not in {p.name for p in named}]
-    if extra and not any(p.kind == P.VAR_KEYWORD for p in params):
-        raise UserError(f"--rewards {name} takes no {extra[0]!r}, and the trainer passes every column by "
-                        f"keyword ({given}): add **columns to its parameters")
-    try:
-        sig.bind([], [], **{c: [] for c in columns})
-    except TypeError as e:
-        raise UserError(f"--rewards {name}{sig} cannot be called as {call} with the columns {given} ({e}): "
-                        f"take (prompts, {outputs}, **columns)") from None
 
 
 @dataclass

@@ -517,8 +517,8 @@ def test_a_missing_vllm_is_one_line_on_every_rank_before_the_process_group(monke
         check_args(args, 3)
 
 
-# User-supplied callables, checked once before the run against what the trainer calls (utils/env.py
-# check_tool and check_env, roles/reward.py check_reward): each mistake below is one line naming it.
+# User-supplied callables, checked once before the run against what the trainer calls
+# utils/callables.py check_tool, check_env and check_reward): each mistake below is one line naming it.
 def add_all(*numbers: int) -> int:
     """Add numbers (the issue's example: a tool call is a JSON object of named arguments)."""
     return sum(numbers)

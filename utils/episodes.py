@@ -29,7 +29,8 @@ from typing import ClassVar
 import torch
 
 from utils.engines import Engine, Samples
-from utils.env import ERRORS, ToolEnv, ToolWorker, check_env, check_tool, load, schema
+from utils.callables import check_env, check_tool
+from utils.env import ERRORS, ToolEnv, ToolWorker, load, schema
 from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, time_limit
 
