@@ -17,6 +17,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from utils.tiny import make_tokenizer  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "reordered: compares two runs whose float sums are ordered differently "
+                            "(tests/helpers/runs.py's rule; .ci/arithmetic_orders.sh runs them under other kernels)")
+
+
+def pytest_report_header(config):
+    """The arithmetic this run's ranks get (they fork from a server that inherits this environment)."""
+    knobs = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+                                              "RL_THREADS") if k in os.environ]
+    return f"arithmetic: ATen {torch.backends.cpu.get_cpu_capability()}; {' '.join(knobs) or 'no overrides'}"
+
+
 def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
     """A random transformers model saved in HF format, with the built-in task's tokenizer."""
     import transformers

@@ -114,6 +114,7 @@ def test_token_logprobs_match_a_loop():
             assert got[b, t].item() == pytest.approx(z[tokens[b, t]] - lse, rel=1e-5)
 
 
+@pytest.mark.reordered
 def test_head_logprobs_in_chunks_are_the_whole_batchs_with_their_gradients():
     """The chunked head (rows of 2 under a tiny budget) against lm_head then token_logprobs on the
     whole batch: the same log-probs and gradients of h and of the head's weight. Both take the

@@ -97,6 +97,7 @@ def test_broadcast_gives_every_rollout_rank_the_exact_weights(tmp_path):
 DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1"]
 
 
+@pytest.mark.reordered
 def test_on_policy_disaggregate_is_the_colocate_run(grpo_run, tmp_path):
     """Equivalence at --max-staleness 0: 2 trainers + 1 rollout rank vs colocate on 2 ranks
     (conftest.grpo_run: a reference model, a reward that fails now and then), same seed. Each

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_checkpoint import start_and_kill_rank_1
-from test_fsdp import assert_same_first_step, torchrun
+from test_fsdp import torchrun
 from test_train_grpo import metrics
 
+from tests.helpers.runs import assert_same_first_step
 from utils.algos import distill_advantage
 
 TEACHER = "assets/arith-teacher"
@@ -44,6 +45,7 @@ def steps(tmp_path_factory):
     return out
 
 
+@pytest.mark.reordered
 def test_two_ranks_step_as_one_the_teacher_is_frozen_and_released(steps):
     a, b = load_file(steps[1]), load_file(steps[2])
     before = load_file("assets/arith-tiny/model.safetensors")

@@ -88,6 +88,7 @@ def test_a_padded_group_carries_exactly_zero_loss_and_gradient():
     assert torch.equal(loss.detach(), loss4.detach()) and torch.equal(logp.grad[:4], kept.grad)
 
 
+@pytest.mark.reordered
 def test_dynamic_sampling_is_the_same_run_in_every_placement_and_after_a_resume(tmp_path):
     """With the judge as a second reward: colocate on 2 ranks, disaggregate (2 trainers + 1
     rollout rank, staleness 0), partial (1 sampler + 1 judge) and a resume from colocate's

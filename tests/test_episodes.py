@@ -250,6 +250,7 @@ def tool_model(tmp_path_factory):
     return str(path), cfg
 
 
+@pytest.mark.reordered
 def test_env_tokens_get_no_gradient_and_engine_logprobs_match_the_trainers_across_turns(tool_model):
     """Native engine episodes (a first turn that calls the tool, then a sampled one): the trainer's
     log-probs of every model token equal the engine's within 1e-5, turn 2 included; the loss's
@@ -307,6 +308,7 @@ def test_env_tokens_get_no_gradient_and_engine_logprobs_match_the_trainers_acros
     assert torch.equal(x.grad, y.grad)
 
 
+@pytest.mark.reordered
 def test_turns_prefilled_after_the_kept_cache_are_the_turns_prefilled_whole(monkeypatch):
     """assets/tool-tiny (it calls the tool on ~1 sample in 5) plays sampled episodes of
     builtin:multiply with the tool run for real, each turn prefilled after the KV cache the engine

@@ -298,6 +298,7 @@ def test_a_user_error_is_one_line_and_a_bug_keeps_its_traceback(debug):
         assert user.returncode == 2 and user.stderr == "error: --lr -1: use a positive learning rate\n"
 
 
+@pytest.mark.reordered
 def test_a_failed_sample_adds_nothing_to_the_loss_or_its_gradient():
     """Row 1's reward failed: its loss mask and advantage are 0. The loss equals the loss without
     that row and the gradient on its log-probs is exactly 0, KL term included."""
@@ -518,7 +519,7 @@ def test_a_missing_vllm_is_one_line_on_every_rank_before_the_process_group(monke
 
 
 # User-supplied callables, checked once before the run against what the trainer calls
-# utils/callables.py check_tool, check_env and check_reward): each mistake below is one line naming it.
+# (utils/callables.py check_tool, check_env and check_reward): each mistake below is one line naming it.
 def add_all(*numbers: int) -> int:
     """Add numbers (the issue's example: a tool call is a JSON object of named arguments)."""
     return sum(numbers)

@@ -11,6 +11,7 @@ from test_checkpoint import start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import metrics
 
+from tests.helpers.runs import assert_same_first_step
 from utils.logger import differences
 
 SMALL = ["--prompts-per-step", "4", "--num-generations", "4", "--train-steps", "4", "--eval-steps", "8",
@@ -39,12 +40,15 @@ def test_the_ratio_is_exactly_one_before_the_first_update(one_step):
         assert rows[0]["train/trained_steps"] == 4 and rows[0]["train/grad_norm"] > 0
 
 
+@pytest.mark.reordered
 def test_two_ranks_step_as_one(one_step):
+    """1 and 2 ranks, one optimizer step: the weights that took Adam's whole first step agree to
+    rounding (tests/helpers/runs.py); not the others, such as the key bias's slice of each block's
+    qkv.bias, whose gradient is 0 in exact arithmetic (no RoPE here: softmax ignores it)."""
     a = load_file(os.path.join(one_step[1], "final", "model.safetensors"))
     b = load_file(os.path.join(one_step[2], "final", "model.safetensors"))
     before = load_file("assets/flow-tiny/model.safetensors")
-    for k in a:  # Adam's first step moves a weight by ~lr = 1e-3: reduction-order noise stays < 1e-5
-        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), (k, (a[k] - b[k]).abs().max())
+    assert_same_first_step(a, b, before, lr=1e-3)
     assert any(not torch.equal(a[k], before[k]) for k in a)
     ra, rb = (metrics(one_step[r])[0] for r in (1, 2))
     assert ra["rollout/reward"] == pytest.approx(rb["rollout/reward"], abs=1e-6)  # the same images

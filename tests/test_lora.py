@@ -21,6 +21,7 @@ from utils.tiny import random_checkpoint
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "3e-3"]
 
 
+@pytest.mark.reordered
 def test_with_b_zero_the_model_is_the_base_and_merging_equals_the_adapters():
     torch.manual_seed(0)
     base = load_model("assets/arith-tiny")
@@ -47,6 +48,7 @@ def test_with_b_zero_the_model_is_the_base_and_merging_equals_the_adapters():
     assert len(trainable) == 4 * 7 * 2  # 4 layers, 7 linears, A and B
 
 
+@pytest.mark.reordered
 def test_the_native_engine_keeps_its_base_and_merges_each_version_of_the_adapters():
     """An engine given the base once and then adapters samples what an engine given the merged
     weights samples, bit for bit (both merge W + s B A with the same fp32 ops, then decode with the
@@ -83,6 +85,7 @@ def test_a_target_that_matches_nothing_is_named():
         LoraArgs(lora_rank=4, lora_targets="q_proj,qq_proj").check()
 
 
+@pytest.mark.reordered
 def test_fsdp_trains_only_the_adapters_and_the_engine_gets_the_merged_weights(tmp_path):
     """2 ranks, 3 optimizer steps: every base tensor is bit for bit the checkpoint's, every adapter
     moved; the engine's stream is the base's names, in weight_specs' order, each W + (alpha/r) B A."""

@@ -8,6 +8,7 @@ import sys
 import time
 
 import psutil
+import pytest
 import torch.distributed as dist
 
 from test_disaggregate import DISAGG, metrics
@@ -43,6 +44,7 @@ def run_nodes(nprocs, args, tmp_path, timeout=240):
     assert codes == [0] * len(nprocs), "\n".join(open(log).read()[-3000:] for log in logs)
 
 
+@pytest.mark.reordered
 def test_two_nodes_train_alike_in_colocate_and_disaggregate(tmp_path):
     """A full GRPO run across two nodes: colocate with a trainer on each node (FSDP's collectives
     cross nodes), then disaggregate with the trainers on one node and the rollout rank on the

@@ -4,12 +4,12 @@ rewards; a judge that fails is counted, and a run whose every reward fails stops
 import os
 
 import pytest
-import torch
 from test_fsdp import torchrun
 
 import placement
+from tests.helpers.runs import differences_within, weights_apart
 from utils.errors import UserError
-from utils.logger import differences, read_metrics
+from utils.logger import read_metrics
 
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
@@ -41,6 +41,7 @@ def test_partial_sizes_that_do_not_fit_say_what_would():
     assert placement.check("partial", 3, 6, sampler_ranks=2).judges_of(1) == [2]  # G < S: shared
 
 
+@pytest.mark.reordered
 def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path):
     """Every rank a controller of its own prompts with per-prompt seeds, verdicts seeded per
     completion: splitting the rollout between a sampler and a judge changes where the work
@@ -51,13 +52,12 @@ def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path):
     torchrun(2, "train_grpo.py", *TINY, *JUDGE, "--run-dir", co)
     torchrun(2, "train_grpo.py", *TINY, *JUDGE, *PARTIAL, "--run-dir", pa)
     a, b = metrics(co), metrics(pa)
-    # bit-equal: the trainers are the same 2 ranks with the same threads, and the sampler
-    # generates each rank's 2 prompts as one --judge-chunk 2 batch, the batch a colocated engine
-    # sees. The judge's and held-out batches differ in shape, but they only pick tokens (a
-    # verdict, an answer), which a last-bit difference moves only if a draw lands within ~1e-7
-    # of a boundary. (Waves of other sizes change the trained batches: tests/test_dynamic_sampling.py
-    # compares those runs to rounding.)
-    assert len(a) == 4 and differences(a, b) == []
+    # the trainers are the same 2 ranks with the same threads, and the sampler generates each
+    # rank's 2 prompts as one --judge-chunk 2 batch, the batch a colocated engine sees; the judge's
+    # and held-out batches differ in shape, which only pick tokens (a verdict, an answer). Compared
+    # as reordered runs are all the same (tests/helpers/runs.py): not to the bit, which holds on
+    # this CPU's kernels but is not what the placement promises.
+    assert len(a) == 4 and differences_within(a, b) == []
     for r in b[:3]:
         assert "rollout/reward/judge" in r and r["reward/judge_unparsed_share"] < 0.5
         assert r["placement/sampler_busy_s"] > 0 and r["placement/judge_busy_s"] > 0
@@ -65,7 +65,8 @@ def test_partial_placement_is_the_colocate_run_with_the_same_judge(tmp_path):
     from safetensors.torch import load_file
     wa = load_file(os.path.join(co, "final", "model.safetensors"))
     wb = load_file(os.path.join(pa, "final", "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    apart = weights_apart(wa, wb, load_file("assets/arith-tiny/model.safetensors"))
+    assert apart <= 1e-3, apart  # as test_disaggregate's: last-bit noise moves Adam's updates as much
 
 
 def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path):
@@ -83,13 +84,15 @@ def test_a_judge_that_always_times_out_is_counted_then_stops_the_run(tmp_path):
     assert rows and all(r["reward/failures"] == 16 for r in rows if "reward/failures" in r)
 
 
+@pytest.mark.reordered
 def test_a_sampler_judge_move_in_process_keeps_the_run(tmp_path):
     """--rebalance in partial placement, 3 ranks: after step 2 the split moves from 1 sampler + 2
     judges to 2 + 1 in process (forced; the measured decision is rebalance.decide's partial branch,
     tests/test_rebalance.py). Every rank trains in both layouts and each prompt's samples and
     verdicts are seeded by the prompt, not by the rank that makes them, so the run is the unmoved
-    one bit for bit: the same 3 trainers reduce in the same order, and the sampler generates each
-    rank's 2 prompts as one --judge-chunk 2 batch in either split."""
+    one: the same 3 trainers reduce in the same order, and the sampler generates each rank's 2
+    prompts as one --judge-chunk 2 batch in either split. Compared as every moved layout is, to
+    rounding (tests/helpers/runs.py): the judges' batches change shape with the split."""
     flags = ["--steps", "4", "--prompts-per-step", "6", "--num-generations", "4", "--eval-every", "0",
              "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1", *JUDGE, *PARTIAL]
     still, moved = str(tmp_path / "still"), str(tmp_path / "moved")
@@ -103,4 +106,4 @@ def test_a_sampler_judge_move_in_process_keeps_the_run(tmp_path):
     assert events[0]["placement/sampler_ranks"] == 2
     after = [r for r in rows if not r.get("event") and r["step"] >= 2 and not r.get("final")]
     assert after and all(r["placement/judge_busy_s"] > 0 for r in after)
-    assert differences(metrics(still), rows) == []
+    assert differences_within(metrics(still), rows) == []

@@ -105,6 +105,7 @@ import pytest  # noqa: E402
 
 from test_fsdp import ROOT  # noqa: E402
 from test_train_grpo import metrics  # noqa: E402
+from tests.helpers.runs import differences_within  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 MOVE_RUN = ["--steps", "6", "--prompts-per-step", "12", "--num-generations", "4", "--eval-every", "0",
@@ -138,19 +139,19 @@ def unmoved(tmp_path_factory):
 
 def same_run(a, b):
     """The same prompts, seeds and (exactly carried) weights make every reward and length
-    identical; losses and gradients of another number of trainers agree to 1e-4 (the same float
-    sums in another order); rows_trained counts each trainer's padded rows, so it follows the split."""
+    identical; losses and gradients of another number of trainers agree to 1e-4 (tests/helpers/runs.py,
+    with 10x its room for 6 steps of the same float sums in another order); rows_trained counts each
+    trainer's padded rows, so it follows the split."""
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(6)) + [5]
+    drop = {"train/rows_trained"}
+    assert differences_within([{k: v for k, v in r.items() if k not in drop} for r in a],
+                              [{k: v for k, v in r.items() if k not in drop} for r in b], rel=1e-4) == []
     for x, y in zip(a, b):
-        for k in x:
-            if k.startswith(("perf/", "placement/")) or k == "train/rows_trained":
-                continue
-            if k.startswith("rollout/") or k == "step":
-                assert x[k] == y[k], (x["step"], k, x[k], y[k])
-            else:
-                assert abs(x[k] - y[k]) <= 1e-4 * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
+        assert {k: v for k, v in x.items() if k.startswith("rollout/")} == \
+            {k: v for k, v in y.items() if k.startswith("rollout/")}, x["step"]
 
 
+@pytest.mark.reordered
 def test_moves_in_process_there_and_back_carry_the_state_exactly(tmp_path, unmoved):
     """4 ranks, on-policy: after step 3 the ranks move in process from 3 trainers + 1 rollout rank
     to 2 + 2 (rank 2 becomes a rollout rank, rank 3 keeps its engine), after step 5 back to 3 + 1
@@ -175,6 +176,7 @@ def test_moves_in_process_there_and_back_carry_the_state_exactly(tmp_path, unmov
     same_run(unmoved, [r for r in rows if not r.get("event")])
 
 
+@pytest.mark.reordered
 def test_a_move_by_restart_carries_the_state_exactly(tmp_path, unmoved):
     """--rebalance-restart, the fallback: a checkpoint, the new layout, torchrun's restart, the
     resume; the same checks and the same run."""

@@ -75,6 +75,7 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
+@pytest.mark.reordered
 @pytest.mark.parametrize("arch,kw", [("qwen2", {}),
                                      ("llama", {"num_key_value_heads": 1, "attention_bias": True}),
                                      ("llama", {"rope_parameters": LLAMA3}),
@@ -92,6 +93,7 @@ def test_scores_match_transformers(tmp_path, arch, kw):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (eos_last, got, want)
 
 
+@pytest.mark.reordered
 def test_sharded_reward_model_matches_transformers(tmp_path):
     """The role, FSDP2 over 2 ranks with micro-batches of one row (utils.data.forward_batches: the
     rows longest completion first, each cut to its own columns), on an EOS-terminated batch."""

@@ -48,6 +48,7 @@ def decode_weights(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.reordered
 def test_greedy_equals_transformers_generate(decode_model, decode_weights):
     path, ref = decode_model
     eng = engine_for(path)
@@ -63,6 +64,7 @@ def test_greedy_equals_transformers_generate(decode_model, decode_weights):
         assert out.finish_reasons[i] == ("stop" if want[-1] == eos else "length")
 
 
+@pytest.mark.reordered
 def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(decode_model, decode_weights):
     """GraphedStep's step (utils/decode.py: each token written at a slot held in a tensor, attention
     over the whole cache with the unwritten slots masked), run eagerly on this CPU, against the
@@ -79,6 +81,7 @@ def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(de
     assert (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
+@pytest.mark.reordered
 def test_finished_rows_leave_the_batch_and_the_others_generate_as_if_they_stayed(decode_model,
                                                                                  decode_weights):
     """Once half the batch has finished, the eager step sheds finished rows (rows, their cache,
@@ -102,6 +105,7 @@ def test_finished_rows_leave_the_batch_and_the_others_generate_as_if_they_stayed
     assert (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
+@pytest.mark.reordered
 def test_a_request_that_extends_the_last_ones_rows_prefills_only_what_is_new(decode_model, decode_weights,
                                                                             monkeypatch):
     """keep_prefixes (multi-turn episodes): a second request whose prompts extend the first's rows
@@ -136,6 +140,7 @@ def test_a_request_that_extends_the_last_ones_rows_prefills_only_what_is_new(dec
     assert kept.kept is None
 
 
+@pytest.mark.reordered
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
 def test_sampled_logprobs_equal_full_forward(decode_model, temperature, top_p, top_k, decode_weights):
     path, ref = decode_model
@@ -273,6 +278,7 @@ def test_load_weights_replaces_the_model(tiny_hf, tmp_path):
         assert after.tokens[i, :after.lengths[i]].tolist() == want
 
 
+@pytest.mark.reordered
 def test_bf16_engine_runs_and_agrees_with_fp32_log_probs(tiny_hf):
     """The bf16 path (GPU default): RoPE tables must follow the weights' dtype."""
     path, ref = tiny_hf

@@ -26,6 +26,7 @@ def tool_straight(tmp_path_factory):
     return path
 
 
+@pytest.mark.reordered
 def test_colocate_equals_disaggregate_at_staleness_0_on_a_tool_task(tool_straight, tmp_path):
     """The rollout rank plays the episodes (its engine is wrapped, its tools run there) on the
     weights broadcast to it; each trainer's episodes are the ones a colocated engine plays, turn

@@ -66,6 +66,7 @@ def test_two_rank_ppo_trains_logs_the_critic_and_is_seeded(ppo_run, tmp_path):
     assert differences(metrics(a), metrics(b)) == []  # the same command: the same sums in the same order
 
 
+@pytest.mark.reordered
 def test_ppo_disaggregated_on_policy_is_the_colocate_run(ppo_run, tmp_path):
     """2 trainers + 1 rollout rank at --max-staleness 0 against colocate on 2 ranks (ppo_run,
     with the adaptive KL controller): the same prompts, seeds and exactly broadcast weights, so

@@ -108,6 +108,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.reordered
 def test_logits_match_transformers_on_a_mixed_batch(checkpoint):
     path, ref = checkpoint
     ours = load_model(path)
@@ -137,6 +138,7 @@ def test_rope_index_equals_transformers_get_rope_index(checkpoint):
     assert row0[:, 8].tolist() == [6, 6, 6]  # <|vision_end|>: start + max(2, 2)
 
 
+@pytest.mark.reordered
 def test_kv_cache_prefill_with_images_then_decode_equals_the_full_forward(checkpoint):
     """Prefill the left-padded prompts (images spliced) into the cache, then 3 greedy one-token
     steps at positions deltas + step (1-D), against a full forward over prompt + tokens so far."""

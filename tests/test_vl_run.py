@@ -46,6 +46,7 @@ def prompts(path):
     return tok, picked + [text]
 
 
+@pytest.mark.reordered
 def test_the_native_engine_samples_what_the_trainer_scores_from_image_prompts(vl_dir):
     """Same weights, same math (prefill with the image features spliced in, M-RoPE positions, then
     1-D decoding from each prompt's deltas): the engine's log-probs of its own samples equal the
@@ -93,6 +94,7 @@ def moved(run: str, start: dict) -> set:
     return {k for k in start if not torch.equal(start[k], end[k])}
 
 
+@pytest.mark.reordered
 def test_grpo_on_squares_trains_every_parameter_alike_in_colocate_and_disaggregate(vl_dir, tmp_path):
     """Two GRPO steps on builtin:squares (a reward that varies with the completion's length, so
     every group has advantages): every parameter moves, the vision tower's included; with

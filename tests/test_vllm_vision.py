@@ -131,6 +131,7 @@ def vision(tmp_path_factory):
     return dict(dir=d, prompts=prompts, ref=ref, ref_perturbed=ref_perturbed, **run)
 
 
+@pytest.mark.reordered
 def test_the_native_engine_greedy_equals_transformers_on_the_same_image_prompts(vision):
     """The native engine (our model code, utils/vl_model.py) on the prompts vLLM gets, from the
     checkpoint transformers saved: transformers' greedy tokens, log-probs within 1e-4: so the two
@@ -173,6 +174,7 @@ def assert_equal_to(rows, ref, tol=1e-4) -> float:
     return gap
 
 
+@pytest.mark.reordered
 @needs_vllm
 def test_vllm_greedy_on_image_prompts_equals_transformers(vision):
     """Two image sizes (4 and 12 image tokens) and the first image sized with other pixel limits

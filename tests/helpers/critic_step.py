@@ -2,8 +2,9 @@
 (each rank takes its rows). old: "rollout" keeps the values of the first rollout as every step's
 old values (PPO's epochs over one batch), "refresh" takes the critic's current values before each
 step (a new rollout of the same batch). Rank 0 writes the gathered full weights after each step
-(out.step<k>) and the metrics summed over ranks, with the same sums computed outside train_step
-from the values before the step (out.json)."""
+(out.step<k>), the gradients each step's optimizer took (out.grads<k>), and the metrics summed
+over ranks, with the same sums computed outside train_step from the values before the step
+(out.json)."""
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles.critic import Critic  # noqa: E402
+from tests.helpers.runs import record_grads  # noqa: E402
 from utils import algos, dist  # noqa: E402
 from utils.data import make_batch, rank_slice, take_rows  # noqa: E402
 
@@ -24,6 +26,7 @@ rank, world, device = dist.init(timeout_s=60)
 plan = placement.plan("colocate", rank, world, device, prompts_per_step=world)
 critic = Critic(model_dir, plan.mesh, device, lr=lr, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
                 value_clip=0.2, micro_batch_size=micro)
+grads = record_grads(critic.model, critic.opt)
 
 g = torch.Generator().manual_seed(0)
 N, T = 8, 5
@@ -70,6 +73,7 @@ for k in range(steps):
     weights = {name: t.clone() for name, t in dist.full_tensors(critic.model, exact=True)}
     if rank == 0:
         save_file(weights, f"{out}.step{k}")
+        save_file(grads[k], f"{out}.grads{k}")
 if rank == 0:
     with open(out + ".json", "w") as f:
         json.dump(log, f)

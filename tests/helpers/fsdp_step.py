@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_fsdp.py: one FSDP2 train step on a fixed global batch
-(each rank takes its rows), then rank 0 writes the gathered full weights."""
+(each rank takes its rows), then rank 0 writes the gathered full weights (out) and the gradients
+the optimizer stepped with (out.grads)."""
 import os
 import sys
 from functools import partial
@@ -10,6 +11,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
+from tests.helpers.runs import record_grads  # noqa: E402
 from train_grpo import Args, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
 from utils.data import make_batch, rank_slice  # noqa: E402
@@ -27,6 +29,7 @@ full = {k: v.clone() for k, v in actor.full_weights()}  # each is valid until th
 ref = load_model(model_dir).state_dict()
 ok = all(torch.equal(full[k], ref[k]) for k in full) and set(full) | {"lm_head.weight"} >= set(ref)
 ok = ok and all(torch.equal(t, ref[k]) for k, t in actor.full_weights(exact=True))  # the export path too
+grads = record_grads(actor.model, actor.opt)
 
 g = torch.Generator().manual_seed(0)
 N, T = 8, 5
@@ -46,6 +49,7 @@ actor.train_step(mine, loss, norm)
 after = {k: v.clone() for k, v in actor.full_weights()}
 if rank == 0:
     save_file(after, out)
+    save_file(grads[0], out + ".grads")
     with open(out + ".gather_ok", "w") as f:
         f.write(str(ok))
     if compiled:  # the graphs dynamo made: the compiled path really ran
