@@ -7,7 +7,7 @@
 #   .ci/arithmetic_orders.sh                 every setting, then a table
 #   .ci/arithmetic_orders.sh aten-default    one (or a few) by name
 #
-# What each changes, measured on an AMD EPYC (AVX-512) with torch 2.13's MKL 2024.2 (docs/faults.md):
+# What each changes, measured on an AMD EPYC (AVX-512) with torch 2.13's MKL 2024.2 (docs/design.md):
 # MKL takes its non-Intel path on AMD, so MKL_ENABLE_INSTRUCTIONS changes no bit there (it does on
 # Intel, where MKL's AVX-512 kernels are what CI met); MKL_CBWR=COMPATIBLE changes MKL's GEMMs on
 # any CPU; ATEN_CPU_CAPABILITY changes ATen's vectorised kernels (default: matmul and softmax too);

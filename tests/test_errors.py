@@ -684,8 +684,8 @@ TOOL_MISTAKES = [  # (--tools, the error line)
      "with typed parameters and a docstring (as utils.env:multiply)"),
     ((f"{M}:fetch",), f"--tools {M}:fetch is async: the tool worker calls it plainly and would get a "
      "coroutine, not its result: make it a plain def"),
-    ((f"{M}:count_up",), f"--tools {M}:count_up is a generator (it yields): the tool worker sends back what "
-     "it returns: return the text instead"),
+    ((f"{M}:count_up",), f"--tools {M}:count_up is a generator (it yields): the tool worker reads what "
+     "it returns: return its result instead"),
     ((f"{M}:misdescribed",),
      f"--tools {M}:misdescribed: its docstring describes 'c' under Args:, which is no parameter of it (its "
      "parameters: a, b): describe the parameters it has"),
@@ -735,7 +735,7 @@ REWARD_MISTAKES = [  # (--rewards, the error line), the built-in task's columns:
     (f"{M}:Scorer", f"--rewards {M}:Scorer is a class, not a function: the trainer calls fn(prompts, "
      "completions, **columns) and reads the list of scores it returns; pass a function"),
     (f"{M}:score_remotely", f"--rewards {M}:score_remotely is async: the trainer calls it plainly and would "
-     "get a coroutine, not scores: make it a plain def that returns the list of scores"),
+     "get a coroutine, not the list of scores: make it a plain def"),
     (f"{M}:score_lazily", f"--rewards {M}:score_lazily is a generator (it yields): the trainer reads what it "
      "returns: return the list of scores instead"),
     (f"{M}:M", f"--rewards {M}:M is a str, not a function: the trainer calls fn(prompts, completions, "

@@ -17,6 +17,17 @@ from utils.env import described, json_type
 from utils.errors import UserError
 
 
+def check_plain(fn, where: str, caller: str, result: str):
+    """A function that `caller` calls plainly and whose return value it reads: not async (the call
+    would give a coroutine) and not a generator (it would give an iterator). One error naming it."""
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise UserError(f"{where} is async: {caller} calls it plainly and would get a coroutine, not "
+                        f"{result}: make it a plain def")
+    if inspect.isgeneratorfunction(fn):
+        raise UserError(f"{where} is a generator (it yields): {caller} reads what it returns: return {result} "
+                        "instead")
+
+
 def check_tool(fn, where: str):
     """A tool as the trainer uses it, checked once before the run: `schema` describes it to the
     model and the worker calls it as fn(**arguments), the model's JSON object. So its name is a
@@ -30,12 +41,7 @@ def check_tool(fn, where: str):
     if not fn.__name__.isidentifier():
         raise UserError(f"{where} is a lambda, whose name ({fn.__name__}) the model cannot call: define it "
                         "with def")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise UserError(f"{where} is async: the tool worker calls it plainly and would get a coroutine, not "
-                        "its result: make it a plain def")
-    if inspect.isgeneratorfunction(fn):
-        raise UserError(f"{where} is a generator (it yields): the tool worker sends back what it returns: "
-                        "return the text instead")
+    check_plain(fn, where, "the tool worker", "its result")
     doc = inspect.getdoc(fn) or ""
     if not doc.strip():
         raise UserError(f"{where} has no docstring: its first paragraph is the tool's description in the "
@@ -96,9 +102,7 @@ def check_env(cls, spec: str):
             raise UserError(f"{where}: {cls.__name__} has no {method}({arg}) method: an environment class "
                             "has reset(row) -> messages and step(text) -> (messages, reward, done); add it "
                             "(docs/tools.md)")
-        if inspect.iscoroutinefunction(fn):
-            raise UserError(f"{where}: {cls.__name__}.{method} is async: the trainer calls it plainly and "
-                            "would get a coroutine: make it a plain def")
+        check_plain(fn, f"{where}: {cls.__name__}.{method}", "the trainer", "its result")
         sig = method_signature(cls, method)
         if not fits(sig, 1):
             raise UserError(f"{where}: {cls.__name__}.{method}{sig} cannot be called as {method}({arg}), "
@@ -155,12 +159,7 @@ def check_reward(fn, name: str, columns: list[str], outputs: str = "completions"
         kind = "class" if inspect.isclass(fn) else type(fn).__name__
         raise UserError(f"--rewards {name} is a {kind}, not a function: the trainer calls {call} and reads "
                         "the list of scores it returns; pass a function")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise UserError(f"--rewards {name} is async: the trainer calls it plainly and would get a coroutine, "
-                        "not scores: make it a plain def that returns the list of scores")
-    if inspect.isgeneratorfunction(fn):
-        raise UserError(f"--rewards {name} is a generator (it yields): the trainer reads what it returns: "
-                        "return the list of scores instead")
+    check_plain(fn, f"--rewards {name}", "the trainer", "the list of scores")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a callable Python cannot describe (some built-ins): not checked
