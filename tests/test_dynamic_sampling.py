@@ -68,6 +68,7 @@ def test_prompt_streams_split_the_shuffled_epoch_and_hand_back_put_back_prompts_
     assert restored.take(4) == streams[0].take(4)
 
 
+@pytest.mark.reordered
 def test_a_padded_group_carries_exactly_zero_loss_and_gradient():
     """Padding groups enter the batch with a zero loss mask: whatever their log-probs and
     advantages, the loss and its gradient are those of the batch without them."""
@@ -85,7 +86,11 @@ def test_a_padded_group_carries_exactly_zero_loss_and_gradient():
     pg4, _ = algos.clipped_surrogate(kept, old[:4], adv[:4], 0.2, 0.28)
     loss4 = algos.aggregate(pg4, mask[:4], "token", float(mask[:4].sum()), 5)
     loss4.backward()
-    assert torch.equal(loss.detach(), loss4.detach()) and torch.equal(logp.grad[:4], kept.grad)
+    assert torch.equal(logp.grad[:4], kept.grad)  # elementwise: the same ops on the same values
+    # the loss sums 40 terms (20 exact zeros) against 20: a vectorised sum may split them into lanes
+    # otherwise, the same terms in another order (tests/helpers/runs.py): within ~8 eps of their size
+    scale = float((pg4.detach().abs() * mask[:4]).sum() / mask[:4].sum())
+    assert abs(loss.item() - loss4.item()) <= 1e-6 * scale, (loss.item(), loss4.item())
 
 
 @pytest.mark.reordered
