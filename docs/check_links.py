@@ -46,7 +46,8 @@ def main() -> int:
     ci = [l.strip() for l in open(os.path.join(ROOT, ".ci", "run")) if l.strip() and not l.startswith("#")]
     readme = [l.strip() for l in open(os.path.join(ROOT, "README.md"))]
     if not any("pytest" in line and line in readme for line in ci):  # then the arithmetic orders and style
-        problems.append(".ci/run runs no pytest command that is a line of the README (the test command must match)")
+        problems.append(".ci/run runs no pytest command that is a line of the README (the test command "
+                        "must match)")
     print("\n".join(problems + [f"{links} relative links checked, {len(problems)} problems"]))
     return 1 if problems else 0
 

@@ -18,8 +18,9 @@ from utils.tiny import make_tokenizer  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "reordered: compares two runs whose float sums are ordered differently "
-                            "(tests/helpers/runs.py's rule; .ci/arithmetic_orders.sh runs them under other kernels)")
+    config.addinivalue_line("markers", "reordered: compares two runs whose float sums are ordered "
+                            "differently (tests/helpers/runs.py's rule; .ci/arithmetic_orders.sh runs them "
+                            "under other kernels)")
 
 
 def pytest_report_header(config):

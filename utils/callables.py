@@ -24,8 +24,8 @@ def check_plain(fn, where: str, caller: str, result: str):
         raise UserError(f"{where} is async: {caller} calls it plainly and would get a coroutine, not "
                         f"{result}: make it a plain def")
     if inspect.isgeneratorfunction(fn):
-        raise UserError(f"{where} is a generator (it yields): {caller} reads what it returns: return {result} "
-                        "instead")
+        raise UserError(f"{where} is a generator (it yields): {caller} reads what it returns: return "
+                        f"{result} instead")
 
 
 def check_tool(fn, where: str):
