@@ -118,8 +118,7 @@ def check_env(cls, spec: str):
         if not callable(fn):
             raise UserError(f"{where}: {cls.__name__}.tools holds {fn!r:.60}, not a function: it lists the "
                             "tool functions themselves (tools = [multiply]), not their names")
-    for fn in tools:
-        check_tool(fn, f"{where}: its tool {getattr(fn, '__name__', fn)}")
+        check_tool(fn, f"{where}: its tool {getattr(fn, '__name__', fn)}")  # a partial has no name
 
 
 def method_signature(cls, name: str) -> inspect.Signature:
