@@ -12,7 +12,7 @@ disaggregate: ranks 0..N-K-1 train (FSDP2 over their own mesh), ranks N-K..N-1 o
 trainer i talks point to point to rollout rank N-K + i % K (roles/rollout.py); after each step the
 trainers gather the full weights block by block and trainer 0 broadcasts them in buckets over its
 own group (NCCL on GPU, gloo on CPU), or into vLLM workers through vLLM's weight-transfer layer
-(utils/vllm_transfer.py).
+(engines/vllm_transfer.py).
 """
 import datetime
 import itertools
@@ -26,14 +26,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from engines import tp
+from engines.base import NoEngine
 from roles.rollout import RemoteEngine, agree_on_transfer
-from utils.dist import (broadcast_buckets, destroy_groups, filled, measured, outline, own_part,
-                        plan_buckets, receive_buckets, slots)
-from utils import tp
-from utils.engines import NoEngine
+from utils.dist import (broadcast_buckets, destroy_groups, filled, measured, outline, own_part, plan_buckets,
+                        receive_buckets, slots)
 from utils.errors import UserError, check_rules
 from utils.logger import Timer
-
 
 MOVES = itertools.count(1)  # moves in process (every rank counts alike): each new mesh is named by one
 
@@ -55,20 +54,20 @@ class PlacementArgs:
     sync_bucket_mb: float = 64.0
     """disaggregate: weights are gathered and broadcast to the rollout ranks in buckets of this size"""
     gen_tp: int = 1
-    """colocate: generate tensor-parallel over groups of this many ranks (utils/tp.py), the engine
+    """colocate: generate tensor-parallel over groups of this many ranks (engines/tp.py), the engine
     holding 1/K of each block; training stays FSDP2 over all ranks"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
         "sync_bucket_mb": ("placement", lambda p: p == "disaggregate", "--placement disaggregate")}
 
-    def check(self, world: int, prompts_per_step: int) -> "Layout":
-        """The flags' ranges, then the layout (`check`): no process group needed."""
+    def layout_of(self, world: int, prompts_per_step: int) -> "Layout":
+        """The flags' ranges, then the layout (`layout_of`): no process group needed."""
         check_rules(self, [
             ("gen_tp", self.gen_tp == 1 or self.placement == "colocate",
              f"it splits colocated generation, which --placement {self.placement} has not: add --placement "
              f"colocate, or drop --gen-tp"),
             ("rollout_ranks", self.rollout_ranks >= 0, "use 0 (colocate) or more"),
             ("sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "use a positive size in MiB")])
-        return check(self.placement, world, prompts_per_step, self.rollout_ranks, self.max_staleness,
+        return layout_of(self.placement, world, prompts_per_step, self.rollout_ranks, self.max_staleness,
                      self.sampler_ranks)
 
 
@@ -78,26 +77,26 @@ class Layout:
     mode: str
     world: int
     dp: int  # data-parallel trainer ranks (FSDP2 shards over these)
-    rollout: int = 0  # generation-only ranks (disaggregate)
-    sampler: int = 0  # partial: the first S ranks sample; the other dp - S judge
+    rollout_ranks: int = 0  # generation-only ranks (disaggregate)
+    sampler_ranks: int = 0  # partial: the first S ranks sample; the other dp - S judge
 
     def __post_init__(self):
-        if self.sampler and self.mode != "partial":
+        if self.sampler_ranks and self.mode != "partial":
             raise UserError("--sampler-ranks applies to --placement partial only (drop the flag, or add "
                             "--placement partial)")
         if self.mode == "partial":
-            if self.rollout:
+            if self.rollout_ranks:
                 raise UserError("--rollout-ranks applies to --placement disaggregate only; partial splits "
                                 "its ranks with --sampler-ranks")
             if self.world < 2:
                 raise UserError("--placement partial needs at least 2 ranks (a sampler and a judge): launch "
                                 "with torchrun --nproc-per-node 2 or more")
-            if not 1 <= self.sampler < self.world:
-                raise UserError(f"--sampler-ranks {self.sampler} does not fit a world of {self.world}: the "
-                                f"first S ranks sample and the rest judge, so fits: --sampler-ranks in "
+            if not 1 <= self.sampler_ranks < self.world:
+                raise UserError(f"--sampler-ranks {self.sampler_ranks} does not fit a world of {self.world}: "
+                                f"the first S ranks sample and the rest judge, so fits: --sampler-ranks in "
                                 f"{list(range(1, self.world))}")
         elif self.mode == "colocate":
-            if self.rollout:
+            if self.rollout_ranks:
                 raise UserError("--rollout-ranks applies to --placement disaggregate only; colocate "
                                 "generates on every rank (drop the flag, or add --placement disaggregate)")
             if self.dp != self.world:
@@ -109,8 +108,8 @@ class Layout:
                                 "rollout): launch with torchrun --nproc-per-node 2 or more, or use "
                                 "--placement colocate")
             fits = [k for k in range(1, self.world) if (self.world - k) % k == 0]
-            if not 1 <= self.rollout < self.world or self.dp % self.rollout:
-                raise UserError(f"--rollout-ranks {self.rollout} does not fit a world of {self.world}: "
+            if not 1 <= self.rollout_ranks < self.world or self.dp % self.rollout_ranks:
+                raise UserError(f"--rollout-ranks {self.rollout_ranks} does not fit a world of {self.world}: "
                                 f"it needs 1 <= K < {self.world} and every rollout rank serving the same "
                                 f"number of trainers ({self.world} - K divisible by K); fits: "
                                 f"--rollout-ranks in {fits}")
@@ -121,20 +120,20 @@ class Layout:
     @property
     def judge(self) -> int:
         """partial: the judge ranks."""
-        return self.dp - self.sampler if self.mode == "partial" else 0
+        return self.dp - self.sampler_ranks if self.mode == "partial" else 0
 
     def sampler_of(self, rank: int) -> int:
         """partial: the sampler rank that generates `rank`'s prompts (a sampler's are its own)."""
-        if rank < self.sampler:
+        if rank < self.sampler_ranks:
             return rank
-        return (rank - self.sampler) % self.sampler
+        return (rank - self.sampler_ranks) % self.sampler_ranks
 
     def judges_of(self, sampler: int) -> list[int]:
         """partial: the judge ranks among which a sampler deals its own prompts' chunks: those it
         generates for (a judge rank judges its own prompts), or one when it has none (G < S)."""
-        judges = [j for j in range(self.sampler, self.world) if self.sampler_of(j) == sampler]
+        judges = [j for j in range(self.sampler_ranks, self.world) if self.sampler_of(j) == sampler]
         if not judges:
-            judges = [self.sampler + sampler % self.judge]
+            judges = [self.sampler_ranks + sampler % self.judge]
         return judges
 
 
@@ -163,9 +162,9 @@ class Plan:
         return self.layout.mode
 
     @property
-    def sampler(self) -> bool:
+    def is_sampler(self) -> bool:
         """partial: this rank samples with the policy (else it judges)."""
-        return self.rank < self.layout.sampler
+        return self.rank < self.layout.sampler_ranks
 
     @property
     def dp(self) -> int:
@@ -176,7 +175,7 @@ def plan(mode: str, rank: int, world: int, device: torch.device, prompts_per_ste
          rollout_ranks: int = 0, max_staleness: int = 0, timeout_s: float = 300,
          sampler_ranks: int = 0, gen_tp: int = 1) -> Plan:
     """This rank's Plan. Checks that the layout fits the world and the batch, saying what would."""
-    layout = check(mode, world, prompts_per_step, rollout_ranks, max_staleness, sampler_ranks)
+    layout = layout_of(mode, world, prompts_per_step, rollout_ranks, max_staleness, sampler_ranks)
     if mode in ("colocate", "partial"):
         mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
         return Plan(layout, rank, device, "trainer", mesh, trainer_group=mesh.get_group(),
@@ -216,11 +215,12 @@ def _disaggregated(layout: Layout, rank: int, device, timeout_s: float, dim: str
                 served=served, timeout_s=timeout_s)
 
 
-def check(mode: str, world: int, prompts_per_step: int, rollout_ranks: int = 0,
+def layout_of(mode: str, world: int, prompts_per_step: int, rollout_ranks: int = 0,
           max_staleness: int = 0, sampler_ranks: int = 0) -> Layout:
     """The layout of a world of `world` ranks, or a UserError that says which flag to change
     (no process group needed: the script calls it before starting one)."""
-    layout = Layout(mode, world, dp=world - rollout_ranks, rollout=rollout_ranks, sampler=sampler_ranks)
+    layout = Layout(mode, world, dp=world - rollout_ranks, rollout_ranks=rollout_ranks,
+                    sampler_ranks=sampler_ranks)
     if max_staleness < 0:
         raise UserError(f"--max-staleness {max_staleness}: use 0 (on-policy) or a positive number of "
                         "versions")
@@ -279,22 +279,22 @@ def reshard(old: Plan, new: Plan, state: dict | None, bucket_bytes: int) -> tupl
 
 def rollout_rank_of(trainer: int, layout: Layout) -> int:
     """Trainer i is served by rollout rank dp + i % K."""
-    return layout.dp + trainer % layout.rollout
+    return layout.dp + trainer % layout.rollout_ranks
 
 
 def engine_for(plan: Plan, local_engine, weight_specs=None, bucket_bytes: int = 0, kept=None):
-    """The engine this rank generates with, behind one interface (utils/engines.py).
+    """The engine this rank generates with, behind one interface (engines/native.py).
     colocate: `local_engine()`, in this process, taking turns with training on the device;
     disaggregate, trainer: its rollout rank, behind a `RemoteEngine` that expects `weight_specs`;
     disaggregate, rollout rank: `local_engine(own_process=True)`: a vLLM engine's core then runs
     in a child process with a world of its own (in-process, it would build its groups over the
     whole torchrun world, which the trainers never join); the native engine is the same either
-    way. Which local engine (native or vLLM) is `utils.engines.make_engine`'s choice; how the
+    way. Which local engine (native or vLLM) is `engines.make.make_engine`'s choice; how the
     rollout ranks take their weights is agreed here too (roles/rollout.py `agree_on_transfer`)."""
     if plan.mode == "colocate":
         return local_engine(tp_group=plan.gen_group) if plan.gen_group else local_engine()
     if plan.mode == "partial":  # a judge rank joins its samplers' weight gathers: it takes what they take
-        engine = local_engine() if plan.sampler else NoEngine()
+        engine = local_engine() if plan.is_sampler else NoEngine()
         said = [engine.takes_adapters]
         dist.broadcast_object_list(said, src=0)
         engine.takes_adapters = said[0]

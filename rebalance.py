@@ -23,9 +23,9 @@ from typing import ClassVar
 import torch
 
 import placement
+from engines.make import engine_kind
 from placement import Layout
 from utils import checkpoint, dist
-from utils.engines import engine_kind
 from utils.errors import UserError, check_rules
 
 MOVES = "placement.json"  # in run_dir: the layout --rebalance moved to, and each move's numbers
@@ -62,17 +62,17 @@ class RebalanceArgs:
 
     def check(self, args, world: int, layout: Layout):
         check_rules(self, [
-            ("rebalance", not self.rebalance or args.layout.placement in ("disaggregate", "partial"),
+            ("rebalance", not self.rebalance or args.placement.placement in ("disaggregate", "partial"),
              "it moves ranks between roles, and --placement colocate gives every rank every role: add "
              "--placement disaggregate --rollout-ranks K (trainers and rollout ranks) or --placement partial "
              "(samplers and judges)"),
-            ("rebalance", not self.rebalance or not args.ds.dynamic_sampling,
+            ("rebalance", not self.rebalance or not args.dynamic_sampling.dynamic_sampling,
              "it cannot run with --dynamic-sampling, whose prompt stream per trainer a move would split "
              "differently: drop one of the two"),
             ("rebalance_restart", not self.rebalance_restart or self.rebalance,
              "it makes each --rebalance move a restart, and --rebalance is off: add --rebalance, or drop "
              "--rebalance-restart"),
-            ("rebalance_restart", not self.rebalance_restart or args.layout.placement != "partial",
+            ("rebalance_restart", not self.rebalance_restart or args.placement.placement != "partial",
              "partial placement moves in process only (every rank trains: the state stays on its ranks): "
              "drop --rebalance-restart"),
             ("rebalance_restart", not self.rebalance_restart
@@ -80,7 +80,7 @@ class RebalanceArgs:
              "each move restarts the workers in the new layout, and torchrun was launched without restarts: "
              "launch with torchrun --max-restarts N (one per move you allow, plus those for failures)"),
             ("rebalance", not self.rebalance or self.rebalance_restart or engine_kind(
-                args.engine, "cuda" if torch.cuda.is_available() else "cpu") == "native",
+                args.sampling.engine, "cuda" if torch.cuda.is_available() else "cpu") == "native",
              "a move in process keeps native rollout engines only (a vLLM one would join a new weight-"
              "transfer group, not tried): add --rebalance-restart, or --engine native"),
             ("rebalance_threshold", 0 <= self.rebalance_threshold < 1,
@@ -95,7 +95,7 @@ class RebalanceArgs:
              "its numbers come two by two: use pairs STEP K")])
         now = side(layout)
         for step, k in zip(self.rebalance_force[::2], self.rebalance_force[1::2]):
-            fits = [side(c) for c in splits(world, args.prompts_per_step, args.layout.max_staleness,
+            fits = [side(c) for c in splits(world, args.prompts_per_step, args.placement.max_staleness,
                                             layout.mode) if side(c) != now]
             if k not in fits:
                 raise UserError(f"--rebalance-force {step} {k}: a world of {world} can move from "
@@ -115,7 +115,7 @@ class Move:
 
 def side(layout: Layout) -> int:
     """What a move changes: the rollout ranks K (disaggregate), the sampler ranks S (partial)."""
-    return layout.sampler if layout.mode == "partial" else layout.rollout
+    return layout.sampler_ranks if layout.mode == "partial" else layout.rollout_ranks
 
 
 def ranks(layout: Layout) -> str:
@@ -123,14 +123,15 @@ def ranks(layout: Layout) -> str:
 
 
 def splits(world: int, prompts_per_step: int, max_staleness: int, mode: str = "disaggregate") -> list[Layout]:
-    """Every layout of `world` ranks in `mode` that `placement.check` accepts for this batch."""
+    """Every layout of `world` ranks in `mode` that `placement.layout_of` accepts for this batch."""
     fits = []
     for k in range(1, world):
         try:
             if mode == "partial":
-                fits.append(placement.check(mode, world, prompts_per_step, 0, max_staleness, sampler_ranks=k))
+                fits.append(placement.layout_of(mode, world, prompts_per_step, 0, max_staleness,
+                                                sampler_ranks=k))
             else:
-                fits.append(placement.check(mode, world, prompts_per_step, k, max_staleness))
+                fits.append(placement.layout_of(mode, world, prompts_per_step, k, max_staleness))
         except UserError:
             continue
     return fits
@@ -160,12 +161,12 @@ def decide(window: list[dict], layout: Layout, fits: list[Layout], max_staleness
     step_s = mean("step_s")
     if layout.mode == "partial":
         generate, judge = mean("sampler_busy"), mean("judge_busy")  # rank-seconds per step
-        rest = step_s - max(generate / layout.sampler, judge / layout.judge)
-        predicted = lambda c: rest + max(generate / c.sampler, judge / c.judge)  # noqa: E731
+        rest = step_s - max(generate / layout.sampler_ranks, judge / layout.judge)
+        predicted = lambda c: rest + max(generate / c.sampler_ranks, judge / c.judge)  # noqa: E731
     else:
         train = mean("trainer_busy") * layout.dp  # trainer-seconds per step
-        generate = mean("rollout_busy") * layout.rollout  # rollout-rank-seconds per step
-        sides = lambda c: (train / c.dp, generate / c.rollout)  # noqa: E731
+        generate = mean("rollout_busy") * layout.rollout_ranks  # rollout-rank-seconds per step
+        sides = lambda c: (train / c.dp, generate / c.rollout_ranks)  # noqa: E731
         predicted = lambda c: max(sides(c)) if max_staleness else sum(sides(c))  # noqa: E731
     best = min((c for c in fits if side(c) != side(layout)), key=predicted, default=None)
     if best is None:
@@ -233,15 +234,15 @@ class Arrival:
 
 def arrive(args, launched: float) -> Arrival:
     """Before the process group: a launch that torchrun restarted after a move (or --resume auto)
-    takes the layout the move wrote (args.layout.rollout_ranks or sampler_ranks)."""
+    takes the layout the move wrote (args.placement.rollout_ranks or sampler_ranks)."""
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     moved = {}
-    if args.balance.rebalance and (restarted or args.run.resume == "auto"):
-        moved = moves(args.run.run_dir)
+    if args.rebalance.rebalance and (restarted or args.run_args.resume == "auto"):
+        moved = moves(args.run_args.run_dir)
     for key in ("rollout_ranks", "sampler_ranks"):
         if key in moved:
-            setattr(args.layout, key, moved[key])
-    return Arrival(args.run.run_dir, moved, moved["moves"][-1]["at"] if moved else launched)
+            setattr(args.placement, key, moved[key])
+    return Arrival(args.run_args.run_dir, moved, moved["moves"][-1]["at"] if moved else launched)
 
 
 def move(old, layout: Layout, state: dict | None, bucket_bytes: int, arrival: Arrival,
@@ -269,7 +270,7 @@ class Rebalancer:
     def __init__(self, args, plan, actor, arrival: Arrival, start: int, log, saved=None, engine=None):
         """saved(): what the move's checkpoint carries of the other components (the rollout's state);
         engine: the trainer's RemoteEngine, which tells its rollout rank of a move."""
-        self.args, self.cfg, self.plan, self.actor, self.log = args, args.balance, plan, actor, log
+        self.args, self.cfg, self.plan, self.actor, self.log = args, args.rebalance, plan, actor, log
         self.saved, self.engine = saved or (lambda: ({}, {})), engine
         self.window, self.since_move, self.warned, self.exit_code = [], 0, False, 0
         self.cost_s, self.target, self.step, self.timings = 0.0, None, 0, {}
@@ -288,7 +289,7 @@ class Rebalancer:
             if checkpoint.digest(self.actor) != last["digest"]:
                 raise RuntimeError(f"the move after step {start} did not carry the training state exactly "
                                    f"(its digest differs): a bug; "
-                                   f"{checkpoint.last_complete(self.args.run.run_dir)}")
+                                   f"{checkpoint.last_complete(self.args.run_args.run_dir)}")
             timings = {}
             if arrival.in_process:  # where the seconds went (the slowest rank's)
                 timings = {k: arrival.timings.get(k, 0.0) for k in MOVE_PARTS}  # a joiner had no checkpoint
@@ -345,7 +346,7 @@ class Rebalancer:
         meta = {"step": self.step + 1, "scheduler": actor.sched.state_dict(), **saved[0]}
         arrival.log = log
         new, arrived = move(self.plan, self.target, {"state": checkpoint.state(actor), "meta": meta},
-                            int(self.args.layout.sync_bucket_mb * 2**20), arrival, self.timings)
+                            int(self.args.placement.sync_bucket_mb * 2**20), arrival, self.timings)
         if arrived.carried is not None:
             arrived.carried["rank_state"] = saved[1]
         return new, arrived
@@ -354,7 +355,8 @@ class Rebalancer:
         """decide over the splits this run accepts (placement.check's, whose trainers can also
         split the minibatches), or --rebalance-force's."""
         args, layout = self.args, self.plan.layout
-        fits = [c for c in splits(layout.world, args.prompts_per_step, args.layout.max_staleness, layout.mode)
+        fits = [c for c in splits(layout.world, args.prompts_per_step, args.placement.max_staleness,
+                                  layout.mode)
                 if args.prompts_per_step // c.dp * args.num_generations % args.minibatches == 0]
         force = dict(zip(self.cfg.rebalance_force[::2], self.cfg.rebalance_force[1::2]))
         if step + 1 in force:
@@ -363,19 +365,19 @@ class Rebalancer:
                         self.window[-1]["step_s"], self.window[-1]["step_s"])
         horizon = min(self.cfg.rebalance_gap, args.steps - step - 1)
         cfg = self.cfg
-        return decide(self.window[-cfg.rebalance_window:], layout, fits, args.layout.max_staleness,
+        return decide(self.window[-cfg.rebalance_window:], layout, fits, args.placement.max_staleness,
                       self.cost_s, horizon, cfg.rebalance_threshold, self.since_move, cfg.rebalance_gap)
 
     def _move(self, step: int, move: Move, saved) -> bool:
         """The move after `step`: a checkpoint, then rank 0 writes the new layout and logs why.
         False (no move) when the checkpoint failed: the run goes on as it was."""
-        run_dir, at = self.args.run.run_dir, time.time()
+        run_dir, at = self.args.run_args.run_dir, time.time()
         record = {"step": step + 1, "at": at, "mode": self.plan.mode, "from": side(self.plan.layout),
                   "to": side(move.layout), "why": move.why, "step_s": move.step_s,
                   "predicted_s": move.predicted_s, "gain_s": move.gain_s, "cost_s": self.cost_s,
                   "digest": checkpoint.digest(self.actor)}
         self.timings["digest_s"] = time.time() - at
-        done = checkpoint.save(run_dir, step + 1, self.actor, self.args.run.keep_last, self.plan.rank,
+        done = checkpoint.save(run_dir, step + 1, self.actor, self.args.run_args.keep_last, self.plan.rank,
                                extra=saved[0], rank_state=saved[1])
         if done["path"] is None:
             if self.plan.rank == 0:

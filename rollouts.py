@@ -1,5 +1,5 @@
 """How a step's scored samples are made: one object per way, chosen once before the loop (`choose`),
-called once a step (`step`, which `make`s the step's Rollout and then releases the engine).
+called once a step (`step`, which `make`s the step's Scored and then releases the engine).
 
     OnPolicy         colocate (this rank's own engine, taking turns with training) and disaggregate
                      at --max-staleness 0 (its rollout rank, behind the same engine methods)
@@ -20,10 +20,12 @@ from typing import ClassVar
 
 import torch
 
+from engines.base import Samples
+from engines.decode import SamplingParams
+from rl import algos
 from roles.judge import judge_chunk
-from utils import algos, dist
-from utils.data import PromptStream, prompt_seed, step_prompts
-from utils.engines import SamplingParams, Samples
+from tasks.data import PromptStream, prompt_seed, step_prompts
+from utils import dist
 from utils.errors import check_rules
 
 MAX = torch.distributed.ReduceOp.MAX
@@ -50,9 +52,9 @@ class DynamicSamplingArgs:
 
     def check(self, args):
         check_rules(self, [
-            ("dynamic_sampling", not self.dynamic_sampling or args.layout.max_staleness == 0,
+            ("dynamic_sampling", not self.dynamic_sampling or args.placement.max_staleness == 0,
              f"it decides each refill from the last wave's rewards, so it runs on-policy, and "
-             f"--max-staleness {args.layout.max_staleness} lets rollouts lag: drop one of the two"),
+             f"--max-staleness {args.placement.max_staleness} lets rollouts lag: drop one of the two"),
             ("dynamic_sampling", not self.dynamic_sampling or args.advantage in GROUP_BASELINES,
              f"it drops groups whose rewards are all equal, which carry no signal only under a group "
              f"baseline (grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}: drop one of "
@@ -65,7 +67,7 @@ class DynamicSamplingArgs:
 
 
 @dataclass
-class Rollout:
+class Scored:
     """One step's samples on this rank: n per prompt, prompt-major (N = prompts * n)."""
     rows: list[dict]  # this rank's prompts, one per group (ids, prompt, answer, other columns)
     samples: Samples  # [N] completions with the engine's log-probs and the policy version
@@ -92,17 +94,18 @@ class OnPolicy:
         self.n = args.num_generations
         overlong = getattr(args, "overlong", None)  # train_ppo.py has no --mask-truncated
         self.mask_truncated = bool(overlong and overlong.mask_truncated)
-        self.sampling = SamplingParams(self.n, args.temperature, args.top_p, args.top_k, args.max_new_tokens)
+        self.sampling = args.sampling.params(self.n)
 
-    def step(self, step: int, timer) -> Rollout:
-        """The step's Rollout; the engine then gives its memory back to training (colocate)."""
+    def step(self, step: int, timer) -> Scored:
+        """The step's Scored; the engine then gives its memory back to training (colocate)."""
         got = self.make(step, timer, new_tally())
         self.engine.release()
         return got
 
-    def make(self, step: int, timer, tally) -> Rollout:
+    def make(self, step: int, timer, tally) -> Scored:
         args, plan = self.args, self.plan
-        rows, seeds = step_prompts(self.rows, step, args.prompts_per_step, args.run.seed, plan.rank, plan.dp)
+        rows, seeds = step_prompts(self.rows, step, args.prompts_per_step, args.run_args.seed, plan.rank,
+                                   plan.dp)
         out, judged = self.generate(rows, seeds, timer, tally)
         scores = self.scorer.score(rows, seeds, out, judged, self.n, timer, tally)  # [N], {term: [N]}, [N]
         return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
@@ -112,14 +115,14 @@ class OnPolicy:
         with timer("generate"):
             return self.engine.generate([r["ids"] for r in rows], self.sampling, seeds), None
 
-    def finish(self, rows, out, scores, padded, tally) -> Rollout:
+    def finish(self, rows, out, scores, padded, tally) -> Scored:
         """A sample without a reward (or, with --mask-truncated, cut off at the length limit, or
         a dynamic-sampling padding group) is left out of the loss."""
         rewards, parts, failed = scores
         keep = ~failed & ~padded
         if self.mask_truncated:
             keep = keep & torch.tensor([r != "length" for r in out.finish_reasons])
-        return Rollout(rows, out, rewards, parts, failed, ~failed, keep, tally=tally)
+        return Scored(rows, out, rewards, parts, failed, ~failed, keep, tally=tally)
 
     def saved(self) -> tuple[dict, dict]:
         """What checkpoints carry of this component: (meta.json extras, this rank's own)."""
@@ -136,14 +139,14 @@ class Ahead(OnPolicy):
         self.in_flight = {}  # step -> (this rank's rows, seeds, ticket)
         self.submitted = None  # the next step whose prompts go out
 
-    def make(self, step: int, timer, tally) -> Rollout:
+    def make(self, step: int, timer, tally) -> Scored:
         args = self.args
         if self.submitted is None:
             self.submitted = step
         with timer("generate"):
-            while self.submitted <= min(step + args.layout.max_staleness, args.steps - 1):
-                ahead, seeds = step_prompts(self.rows, self.submitted, args.prompts_per_step, args.run.seed,
-                                            self.plan.rank, self.plan.dp)
+            while self.submitted <= min(step + args.placement.max_staleness, args.steps - 1):
+                ahead, seeds = step_prompts(self.rows, self.submitted, args.prompts_per_step,
+                                            args.run_args.seed, self.plan.rank, self.plan.dp)
                 ticket = self.engine.submit([r["ids"] for r in ahead], self.sampling, seeds)
                 self.in_flight[self.submitted] = ahead, seeds, ticket
                 self.submitted += 1
@@ -164,7 +167,7 @@ class Streamed(OnPolicy):
 
     def generate(self, rows, seeds, timer, tally):
         with timer("generate"):
-            if self.plan.sampler:
+            if self.plan.is_sampler:
                 out, judged, busy = sample_and_stream(self.plan, self.engine, rows, seeds, self.sampling,
                                                       self.args.judge.judge_chunk)
                 tally["sampler_busy"] += busy
@@ -189,29 +192,29 @@ class DynamicSampling:
 
     def __init__(self, inner: OnPolicy, resumed: dict):
         self.inner, self.args, self.plan = inner, inner.args, inner.plan
-        self.stream = PromptStream(len(inner.rows), self.args.run.seed, self.plan.rank, self.plan.dp)
+        self.stream = PromptStream(len(inner.rows), self.args.run_args.seed, self.plan.rank, self.plan.dp)
         if "stream" in resumed.get("rank_state", {}):
             self.stream.load(resumed["rank_state"]["stream"])
         self.ema = resumed.get("ds_ema", DS_INITIAL_EMA)
 
-    def step(self, step: int, timer) -> Rollout:
+    def step(self, step: int, timer) -> Scored:
         got = self.make(step, timer, new_tally())
         self.inner.engine.release()
         return got
 
-    def make(self, step: int, timer, tally) -> Rollout:
+    def make(self, step: int, timer, tally) -> Scored:
         inner, args, plan = self.inner, self.args, self.plan
         n, target = inner.n, args.prompts_per_step // plan.dp
         drawn, outs, scores = [], [], []  # per wave: row indices, Samples, (rewards, parts, failed)
         informative = []  # per group drawn, in order
         waves = 0
-        for wave in range(1 + args.ds.ds_max_refills):
+        for wave in range(1 + args.dynamic_sampling.ds_max_refills):
             gap = target - min(target, sum(informative))
             if dist.reduce({"gap": gap}, op=MAX, group=plan.trainer_group)["gap"] == 0:
                 break
-            picked = self.stream.take(algos.wave_size(gap, self.ema, args.ds.ds_oversampling))
+            picked = self.stream.take(algos.wave_size(gap, self.ema, args.dynamic_sampling.ds_oversampling))
             wave_rows = [inner.rows[i] for i in picked]
-            seeds = [prompt_seed(args.run.seed, step, plan.rank + i * plan.dp, wave)
+            seeds = [prompt_seed(args.run_args.seed, step, plan.rank + i * plan.dp, wave)
                      for i in range(len(picked))]
             out, judged = inner.generate(wave_rows, seeds, timer, tally)
             waves += 1
@@ -264,17 +267,17 @@ class ReMax:
 
     def __init__(self, inner: OnPolicy):
         self.inner = inner
-        self.greedy = SamplingParams(1, 0.0, 1.0, 0, inner.args.max_new_tokens)
+        self.greedy = SamplingParams(1, 0.0, 1.0, 0, inner.args.sampling.max_new_tokens)
 
-    def step(self, step: int, timer) -> Rollout:
+    def step(self, step: int, timer) -> Scored:
         got = self.make(step, timer, new_tally())
         self.inner.engine.release()
         return got
 
-    def make(self, step: int, timer, tally) -> Rollout:
+    def make(self, step: int, timer, tally) -> Scored:
         inner, plan = self.inner, self.inner.plan
         got = inner.make(step, timer, tally)
-        seeds = [prompt_seed(inner.args.run.seed, step, plan.rank + i * plan.dp)
+        seeds = [prompt_seed(inner.args.run_args.seed, step, plan.rank + i * plan.dp)
                  for i in range(len(got.rows))]
         with timer("generate"):
             out = inner.engine.generate([r["ids"] for r in got.rows], self.greedy, seeds)
@@ -292,11 +295,11 @@ def choose(engine, scorer, rows: list[dict], args, plan, judge, resumed: dict):
     --advantage remax when asked (check_args refuses the combinations that cannot work)."""
     if plan.mode == "partial":
         rollout = Streamed(engine, scorer, rows, args, plan, judge)
-    elif args.layout.max_staleness:
+    elif args.placement.max_staleness:
         rollout = Ahead(engine, scorer, rows, args, plan)
     else:
         rollout = OnPolicy(engine, scorer, rows, args, plan)
-    if args.ds.dynamic_sampling:
+    if args.dynamic_sampling.dynamic_sampling:
         rollout = DynamicSampling(rollout, resumed)
     if args.advantage == "remax":
         rollout = ReMax(rollout)
@@ -350,7 +353,7 @@ def sample_and_stream(plan, engine, rows, seeds, params, chunk: int):
         last = k + len(judges) >= count  # this judge's final chunk of this share
         sent += dist.isend_obj(Chunk(me, part, part_seeds, out, last), judges[k % len(judges)])
         mine.append(out)
-    for j in range(layout.sampler, layout.world):  # the judge ranks' prompts, each back to its owner
+    for j in range(layout.sampler_ranks, layout.world):  # the judge ranks' prompts, each back to its owner
         if layout.sampler_of(j) != me:
             continue
         msg = dist.recv_or_fail(j, "its judge rank's prompts")
@@ -383,7 +386,7 @@ def judge_stream(plan, judge, rows, seeds, n: int):
     judge.load()
     mine, scores, busy, taken = [], [], 0.0, 0
     judged_count, unparsed = 0, 0
-    for sampler in range(layout.sampler):
+    for sampler in range(layout.sampler_ranks):
         owners = []
         if me in layout.judges_of(sampler):
             owners.append(sampler)

@@ -1,30 +1,46 @@
 """What every train script does around its algorithm (CleanRL's "try not to modify" part):
-the flags every run shares, set-up, the held-out evaluation, and `Run`: resume, the end of a
-step (the agreed stop, the NaN and unscored guards, HF exports, checkpoints, SIGTERM) and the
-finish (the final evaluation, the export, the summary). train_grpo.py and train_ppo.py use all
-of it, train_rm.py the set-up; the algorithm itself stays in each script.
+the flags every run shares and their checks, set-up (the process group, the plan, the prompts,
+the engine), the roles beside the algorithm (the actor, the reference, the reward model, the
+teacher), the minibatch split, the held-out evaluation, a step's record and its reduction, and
+`Run`: resume, the end of a step (the agreed stop, the NaN and unscored guards, HF exports,
+checkpoints, SIGTERM) and the finish (the final evaluation, the export, the summary).
+train_grpo.py and train_ppo.py use all of it, train_rm.py and train_flow_grpo.py parts; the
+algorithm itself (its flags, loss, advantages and update) stays in each script.
 """
+import functools
 import math
 import os
 import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, ClassVar, TypeVar
+from typing import Annotated, ClassVar, Literal, NamedTuple, TypeVar
 
 import torch
 import tyro
 
 import placement
+from engines import episodes, tp
+from engines.base import Samples
+from engines.decode import SamplingParams
+from engines.episodes import EnvArgs
+from engines.make import check_engine, make_engine
+from models import lora
+from models.hf import checked_model, read_config
+from models.tokenizer import Tokenizer
+from models.vision import most_images
+from rebalance import move
+from roles.actor import Actor, export_hf
+from roles.reference import Reference
 from roles.reward import Reward
-from utils import checkpoint, dist, episodes, errors
-from utils.data import BUILTIN, Tokenizer, eval_source, load_rows, prompt_seed
-from utils.episodes import EnvArgs
-from utils.engines import SamplingParams, Samples
-from utils.errors import UserError, check_rules
+from roles.reward_model import RewardModel
+from roles.rollout import serve
+from roles.teacher import Teacher
+from rollouts import Scored
+from tasks.data import BUILTIN, eval_source, load_rows, micro_batches, prompt_seed
+from utils import checkpoint, dist, errors
+from utils.errors import UserError, check_applies, check_rules
 from utils.logger import Logger, Timer
-from utils.lora import check_model_dir
-from utils.model import check_checkpoint, local_dir, read_config
 from utils.plot import plot
 
 MAX = torch.distributed.ReduceOp.MAX
@@ -92,19 +108,46 @@ class DataArgs:
                             "their image tokens without the images (not supported); leave it out")
 
 
-def checked_model(path: str, flag: str = "--model", tokenizer: bool = True) -> str:
-    """A checkpoint's config, weights (and tokenizer) read, or one error naming `flag`; a hub id
-    becomes its downloaded snapshot, which is returned (computed at runtime)."""
-    path = local_dir(path, flag)
-    check_model_dir(path, flag)  # config.json, or one line naming `flag` (a LoRA adapter: how to use it)
-    try:
-        read_config(path)
-        if tokenizer:
-            Tokenizer(path)
-        check_checkpoint(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"{flag}: {e}") from None
-    return path
+@dataclass
+class SamplingArgs:
+    """How the policy samples its completions: their length, the sampling, the engine (GRPO and PPO)."""
+    max_new_tokens: int = 8
+    """completion length limit"""
+    temperature: float = 1.0
+    """sampling temperature (also applied to the trainer's log-probs)"""
+    top_p: float = 1.0
+    """nucleus sampling mass"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    engine: Literal["auto", "native", "vllm"] = "auto"
+    """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
+
+    def check(self):
+        check_rules(self, [
+            ("max_new_tokens", self.max_new_tokens >= 1, "use 1 or more"),
+            ("temperature", 0 < self.temperature < math.inf,
+             "use a positive number (1.0: the model as it is)"),
+            ("top_p", 0 < self.top_p <= 1, "use a number in (0, 1] (1.0: off)"),
+            ("top_k", self.top_k >= 0, "use 0 (off) or a number of tokens")])
+
+    def params(self, n: int) -> SamplingParams:
+        """n completions per prompt, sampled as these flags say."""
+        return SamplingParams(n, self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+
+
+@dataclass
+class ComputeArgs:
+    """How the models compute: FSDP2's parameter dtype and torch.compile (GRPO and PPO)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
+    compile: bool = False
+    """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
+    the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """--param-dtype as a torch dtype."""
+        return getattr(torch, self.param_dtype)
 
 
 @dataclass
@@ -179,15 +222,68 @@ def parse(flags_class, check_args):
     one line, `error: ...` (RL_DEBUG=1: a traceback)."""
     args = errors.cli(flags_class)
     errors.install()
-    errors.RUN_DIR = getattr(getattr(args, "run", None), "run_dir", None)
+    run_dir = getattr(getattr(args, "run_args", None), "run_dir", None)
+    if run_dir is not None:  # a lost peer's message names the newest checkpoint in it
+        errors.newest_checkpoint = functools.partial(checkpoint.newest_said, run_dir)
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     return args
+
+
+def check_optimizer(args):
+    """The ranges of the optimizer's flags that GRPO, PPO and train_rm.py share."""
+    check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
+        ("steps", args.steps >= 1, "use 1 or more"),
+        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
+        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
+        ("max_grad_norm", 0 < args.max_grad_norm, "use a positive norm")])
+
+
+def check_flags(args, world: int) -> placement.Layout:
+    """The checks of the flags GRPO and PPO share (each script checks its own first): their ranges,
+    the shared components' own checks, and the layout (rollout ranks, staleness, the batch split),
+    which is returned, with the split of each trainer rank's completions into --minibatches."""
+    args.data.check()
+    args.sampling.check()
+    check_optimizer(args)
+    check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
+        ("prompts_per_step", args.prompts_per_step >= 1, "use 1 or more"),
+        ("weight_decay", 0 <= args.weight_decay < math.inf, "use 0 or more"),
+        ("clip_low", 0 <= args.clip_low < 1, "use a number in [0, 1)"),
+        ("clip_high", 0 <= args.clip_high < math.inf, "use 0 or more"),
+        ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (no KL term) or more"),
+        ("minibatches", args.minibatches >= 1, "use 1 or more"),
+        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more")])
+    args.env.check()
+    args.distill.check()
+    args.run_args.check()
+    args.lora.check(args.sampling.engine, args.placement.placement)
+    # rollout ranks, staleness, the batch split
+    layout = args.placement.layout_of(world, args.prompts_per_step)
+    rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
+    if rows % args.minibatches:
+        raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
+                        f"trainer rank trains per step: use a divisor of {rows}")
+    return layout
+
+
+def check_models(args, world: int, text_readers: dict | None = None):
+    """What GRPO and PPO check last: a flag set where it does nothing, the engine installed, then
+    the checkpoints (hub ids become their snapshots, computed at runtime; a vision-language --model
+    refuses the components that would read its prompts as text: `text_readers`, {flag: its value})
+    and what reads them: the reward terms, the teacher, the environment's chat template, --gen-tp."""
+    check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
+    check_engine(args.sampling.engine, args.placement.placement)  # vLLM installed, before any rank needs it
+    args.data.check_model(text_readers)
+    args.reward.check(args.data)
+    args.distill.check_model(args.data.model)
+    args.env.check_model(args.data.model)  # the chat template carries an episode token for token
+    tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
 
 
 def load_prompts(data: DataArgs, tok, env: EnvArgs) -> tuple[list[dict], int, list[dict]]:
     """(train rows, how many were over --max-prompt-tokens, held-out rows): every rank tokenises
     the same rows and later takes its own slice of each step. With --env / --tools a prompt is the
-    environment's opening, rendered with the tools (utils/episodes.py)."""
+    environment's opening, rendered with the tools (engines/episodes.py)."""
     train_rows = load_rows(data.dataset, "train", data.prompt_column, data.answer_column, data.image_column)
     rows, skipped = episodes.tokenize(train_rows, tok, env, data.max_prompt_tokens)
     held_out = eval_source(data.dataset, data.eval_dataset)
@@ -198,13 +294,60 @@ def load_prompts(data: DataArgs, tok, env: EnvArgs) -> tuple[list[dict], int, li
     return rows, skipped, eval_rows
 
 
+def set_up(args) -> tuple:
+    """What every rank of a GRPO or PPO run does after its flags: the process group, this rank's
+    Plan, the prompts (every rank reads them: episodes start from them), and `local_engine`, which
+    makes the generation engine this rank holds when placement.engine_for asks for one.
+    -> (cfg, tok, plan, (rows, skipped, eval_rows), local_engine)"""
+    cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
+    rank, world, device = dist.init(args.run_args.timeout_s)
+    where = args.placement
+    plan = placement.plan(where.placement, rank, world, device, args.prompts_per_step, where.rollout_ranks,
+                          where.max_staleness, args.run_args.timeout_s, where.sampler_ranks, where.gen_tp)
+    torch.manual_seed(args.run_args.seed)
+    max_len = args.env.context(args.data.max_prompt_tokens + args.sampling.max_new_tokens)
+    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
+    args.reward.check_rows(rows)  # the columns the reward terms read
+    serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
+    engine_of = functools.partial(make_engine, args.sampling.engine, args.data.model, cfg, tok, device,
+                                  args.compute.dtype, max_len, args.run_args.seed, lora_rank=serve_lora,
+                                  max_images=most_images(rows + eval_rows))
+    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows,
+                                 args.sampling.max_new_tokens)  # --env: an episode's turns
+    return cfg, tok, plan, (rows, skipped, eval_rows), local_engine
+
+
+def make_actor(args, plan) -> Actor:
+    """The trained policy of GRPO and PPO (roles/actor.py), from the flags they share."""
+    decay_steps = args.steps if args.lr_schedule == "linear" else 0
+    return Actor(args.data.model, plan.mesh, plan.device, args.lr, args.warmup_steps, args.weight_decay,
+                 args.max_grad_norm, args.compute.dtype, args.sampling.temperature, args.micro_batch_size,
+                 decay_steps, compile=args.compute.compile, lora=args.lora, seed=args.run_args.seed,
+                 freeze_vision=args.data.freeze_vision)
+
+
+def frozen_roles(args, plan, actor) -> tuple:
+    """The roles GRPO and PPO hold beside the trained ones, which never train: the reference
+    (--kl-coef > 0), the reward model (--reward-model) and the teacher (without a --teacher-model
+    it does nothing). -> (reference or None, reward model or None, teacher)"""
+    device, param_dtype = plan.device, args.compute.dtype
+    temperature, micro_batch_size = args.sampling.temperature, args.micro_batch_size
+    ref = None
+    if args.kl_coef > 0 and args.lora.lora_rank:
+        ref = lora.Reference(actor)  # the actor with its adapters off: no second model
+    elif args.kl_coef > 0:
+        ref = Reference(args.data.model, plan.mesh, device, param_dtype, temperature, micro_batch_size)
+    rm = None
+    if args.reward.reward_model:
+        rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, micro_batch_size)
+    return ref, rm, Teacher(args.distill, plan, device, param_dtype, temperature, micro_batch_size)
+
+
 def run_rollout_rank(plan, local_engine, arrival=None):
     """disaggregate: a rollout rank's life in one layout. It builds its engine (or keeps the one
     it had: `arrival.engine`), serves its trainers (roles/rollout.py `serve`) until they say stop,
     and leaves; or until they say move (--rebalance): then it moves with them and returns the next
     layout's Plan and rebalance.Arrival."""
-    from rebalance import move
-    from roles.rollout import serve
 
     t = time.perf_counter()
     engine = placement.engine_for(plan, local_engine, kept=arrival and arrival.engine)
@@ -237,7 +380,7 @@ class Evaluator:
         if not self.every or not self.rows or (step % self.every and step != self.steps):
             return {}
         plan = self.plan
-        ranks = plan.layout.sampler if plan.mode == "partial" else plan.dp
+        ranks = plan.layout.sampler_ranks if plan.mode == "partial" else plan.dp
         mine = self.rows[plan.rank::ranks] if plan.rank < ranks else []
         seeds = [prompt_seed(self.seed, -1, plan.rank + i * ranks) for i in range(len(mine))]
         with timer("eval"):
@@ -250,12 +393,55 @@ class Evaluator:
         return {"eval/accuracy": total["correct"] / total["count"]}
 
 
-def reduce_step(step: int, got, mask, timer, engine, plan, sums: dict, maxes: dict) -> tuple[dict, dict]:
+def split_minibatches(batch: dict, minibatches: int, plan) -> list[tuple[dict, float, float]]:
+    """This rank's batch in --minibatches slices, each with what its losses are divided by: its
+    tokens and its completions in the loss over all trainer ranks, each over the trainers, so that
+    FSDP's gradient average is the mean over the whole minibatch. -> [(minibatch, tokens / dp,
+    completions / dp)]"""
+    size = len(batch["adv"]) // minibatches  # rows per minibatch (check_flags: it divides)
+    minis = list(micro_batches(batch, size))
+    counts = []  # [minibatches, 2]: tokens, completions in the loss
+    for mini in minis:
+        counts.append([float(mini["loss_mask"].sum()), float((mini["loss_mask"].sum(-1) > 0).sum())])
+    counts = torch.tensor(counts, dtype=torch.float64)
+    torch.distributed.all_reduce(counts, group=plan.trainer_group)
+    return [(mini, tokens / plan.dp, completions / plan.dp)
+            for mini, (tokens, completions) in zip(minis, counts.tolist())]
+
+
+class Totals(NamedTuple):
+    """An update's metric sums and maxima over its optimizer steps, this rank's (Run.end_of_step
+    reads the guards among the maxima: skipped, unscored)."""
+    sums: dict
+    maxes: dict
+
+    def add(self, sums: dict, maxes: dict):
+        """One optimizer step's metrics: the sums add up, the maxima keep the largest."""
+        for k, v in sums.items():
+            self.sums[k] = self.sums.get(k, 0) + v
+        for k, v in maxes.items():
+            self.maxes[k] = torch.maximum(torch.as_tensor(self.maxes.get(k, v)), torch.as_tensor(v))
+
+
+@dataclass
+class StepRecord:
+    """What one step of GRPO or PPO made, as its log reads it (each script's log_step, reduce_step)."""
+    step: int
+    timer: Timer  # the step's phases
+    sync: dict  # placement.sync's: the weight sync's seconds and bytes
+    metrics: dict  # the held-out evaluation's, when one was due, else {}
+    got: Scored  # this rank's scored samples
+    batch: dict  # tasks.data.Batch: one row per completion, with its advantages
+    trained: Totals  # update's
+
+
+def reduce_step(record: StepRecord, engine, plan, sums: dict, maxes: dict) -> tuple[dict, dict]:
     """A step's numbers summed and maxed over the trainers, one reduction each: what both scripts
     log of the rollout, the update and the phases, plus each script's own `sums` and `maxes`."""
+    got, timer, mask = record.got, record.timer, record.batch["loss_mask"]
     out, rewards, failed = got.samples, got.rewards, got.failed
     step_s = timer.elapsed()
-    staleness = step - out.version
+    staleness = record.step - out.version
     parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
         **sums, **parts, **phase_metrics(plan, engine, timer.seconds, step_s, got.tally),
@@ -319,7 +505,7 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
     if plan.mode == "partial":
         # each rank is a trainer, and during the rollout a sampler or a judge
         sampler_busy = 0.0
-        if plan.sampler:
+        if plan.is_sampler:
             sampler_busy = tally["sampler_busy"] + phase("eval")
         judge_busy = tally["judge_busy"]
         rollout_busy = sampler_busy + judge_busy
@@ -328,7 +514,7 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
                "rollout_idle": step_s - rollout_busy, "device_idle": device_idle,
                "sampler_busy": sampler_busy, "judge_busy": judge_busy,
                "sampler_idle": 0.0, "judge_idle": 0.0}
-        if plan.sampler:
+        if plan.is_sampler:
             out["sampler_idle"] = step_s - sampler_busy
         else:
             out["judge_idle"] = step_s - judge_busy
@@ -337,7 +523,7 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
         rollout = engine.take_stats()  # the rollout rank's seconds since the last step
         rollout_busy = rollout["busy_s"] + rollout["sync_s"]
         rollout_idle = rollout["idle_s"]
-        device_idle = trainer_idle + rollout_idle * plan.layout.rollout / plan.dp
+        device_idle = trainer_idle + rollout_idle * plan.layout.rollout_ranks / plan.dp
     else:
         rollout_busy = phase("generate") + phase("eval")
         rollout_idle = step_s - rollout_busy
@@ -355,7 +541,7 @@ def placement_metrics(plan, total: dict, peak: dict) -> dict:
         out[f"placement/{role}_s"] = total[role] / plan.dp
     if plan.mode == "partial":
         for role in ("sampler_busy", "sampler_idle"):
-            out[f"placement/{role}_s"] = total[role] / plan.layout.sampler
+            out[f"placement/{role}_s"] = total[role] / plan.layout.sampler_ranks
         for role in ("judge_busy", "judge_idle"):
             out[f"placement/{role}_s"] = total[role] / plan.layout.judge
     out["placement/idle_share"] = total["device_idle"] / (plan.layout.world * peak["step_s"])
@@ -372,7 +558,7 @@ class Run:
         """reward: the scorer (its last failure is the reason when every reward keeps failing);
         arrival: rebalance.Arrival, which after a --rebalance move in process carries the state (in
         place of a checkpoint) and rank 0's logger."""
-        self.args, self.cfg, self.plan, self.actor, self.critic = args, args.run, plan, actor, critic
+        self.args, self.cfg, self.plan, self.actor, self.critic = args, args.run_args, plan, actor, critic
         self.reward = reward
         if arrival is not None and arrival.carried is not None:
             self.resumed = checkpoint.restore(actor, arrival.carried)
@@ -391,14 +577,16 @@ class Run:
             cfg = self.cfg
             self.log = Logger(cfg.run_dir, asdict(args), args.steps, cfg.track, cfg.wandb_project, self.start)
 
-    def end_of_step(self, step: int, metrics: dict | None, train, saved=({}, {})) -> bool:
+    def end_of_step(self, step: int, metrics: dict | None, trained, saved=({}, {})) -> bool:
         """After step `step` (0-based): stop together (skipped steps and SIGTERM are agreed over
         the trainers), log rank 0's `metrics`, stop on too many NaN or unscored steps, export and
-        save when due. `saved`: (meta.json extras, this rank's state) of the components that
+        save when due. `trained`: the update's (sums, maxima), Totals, whose maxima hold the guards
+        (skipped, unscored). `saved`: (meta.json extras, this rank's state) of the components that
         carry state. True: stop."""
         reward = self.reward
         cfg, rank = self.cfg, self.plan.rank
-        halt = dist.reduce({"skipped": train[1]["skipped"], "unscored": train[1]["unscored"],
+        guards = trained[1]
+        halt = dist.reduce({"skipped": guards["skipped"], "unscored": guards["unscored"],
                             "sigterm": self.sigterm}, op=MAX, group=self.plan.trainer_group)
         self.skipped_steps += int(halt["skipped"])
         self.unscored_steps += int(halt["unscored"])
@@ -417,7 +605,7 @@ class Run:
                             f"{checkpoint.last_complete(cfg.run_dir)}")
         if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0:
             path = os.path.join(cfg.run_dir, "hf", f"step_{step + 1}")
-            checkpoint.export_hf(self.actor, path, rank, self.args.data.model)
+            export_hf(self.actor, path, rank, self.args.data.model)
         if halt["sigterm"] or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             checkpoint.save_and_report(cfg.run_dir, step + 1, self.actor, cfg.keep_last, rank, self.critic,
                                        extra=saved[0], rank_state=saved[1])
@@ -441,7 +629,7 @@ class Run:
             if rank == 0:
                 self.log.log(steps - 1, {"final": True, **metrics})
         if cfg.save_final and done:
-            checkpoint.export_hf(self.actor, os.path.join(cfg.run_dir, "final"), rank, self.args.data.model)
+            export_hf(self.actor, os.path.join(cfg.run_dir, "final"), rank, self.args.data.model)
         if exit_code is None:  # the handlers hold this Run (its actor): the next layout's Run sets its own
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -10,7 +10,7 @@ same marginals instead, so each denoising step is a Gaussian policy N(mean, std^
 latent, with a log-prob, and GRPO applies: K images per prompt, a reward per image, the group's
 normalised reward as the advantage of every step of its trajectory, PPO's clipped ratio per trained
 step, and a KL to the frozen starting model. The sampler, the step log-prob, the loss and the KL
-are pure functions in utils/flow.py; `advantages` and `loss_fn` below are the algorithm.
+are pure functions in rl/flow.py; `advantages` and `loss_fn` below are the algorithm.
 
 Every rank is the controller of its own share of each step's prompts (G-Core's parallel
 controllers): it samples, scores and computes its groups' advantages itself; only FSDP2's
@@ -20,22 +20,24 @@ no weight sync): roles/flow_actor.py. Scaffolding (resume, checkpoints, SIGTERM)
 import math
 import os
 import random
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
 
 import placement
+from models.flow_dit import read_flow_config
+from rl import flow
 from roles.flow_actor import FlowActor
 from roles.reward import Reward, resolve
-from utils.callables import check_reward
 from run import Flat, Run, RunArgs, parse
-from utils import dist, flow, shapes
-from utils.data import prompt_seed
+from tasks import shapes
+from tasks.data import prompt_seed
+from tasks.image_rewards import IMAGE_REWARDS
+from utils import dist
+from utils.callables import check_reward
 from utils.errors import UserError, check_rules
-from utils.flow_model import read_flow_config
-from utils.image_rewards import IMAGE_REWARDS
 from utils.logger import Timer
 from utils.plot import plot_flow
 
@@ -46,7 +48,7 @@ TASK = len(shapes.prompts("eval"))  # the built-in task's prompts (the grid of c
 @dataclass
 class Args:
     model: str = "assets/flow-tiny"
-    """the flow model: a directory of config.json + model.safetensors (`python -m utils.tiny --flow
+    """the flow model: a directory of config.json + model.safetensors (`python -m assets.make --flow
     --out DIR` makes the built-in one; docs/flow.md says how to put another model behind the sampler)"""
     steps: int = 30
     """rollout batches (each --minibatches optimizer steps)"""
@@ -55,7 +57,7 @@ class Args:
     num_generations: int = 8
     """images per prompt: the GRPO group"""
     rewards: tuple[str, ...] = ("colour", "compressibility")
-    """reward terms: colour, position, compressibility (utils/image_rewards.py) or module:function
+    """reward terms: colour, position, compressibility (tasks/image_rewards.py) or module:function
     (fn(prompts, images [B, 3, H, W] in [-1, 1]) -> B floats)"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward term (default: all 1)"""
@@ -104,12 +106,12 @@ class Args:
     """evaluate the held-out reward every this many steps (0: never; the end always, with 1 or more)"""
     eval_prompts: int = 72
     """held-out prompts (the task's grid of colour x shape x half); one image each"""
-    run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/flow", save_every=10))
+    run_args: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/flow", save_every=10))
 
 
 def check_args(args: Args, world: int):
     """Every flag against the others and the world size, before any model loads: one line each."""
-    args.run.check()
+    args.run_args.check()
     if args.noise_level is None:
         args.noise_level = {"flow_grpo": 0.7, "dance_grpo": 0.3}[args.sde]
     try:
@@ -149,7 +151,7 @@ def check_args(args: Args, world: int):
             # imports now: a wrong module or name, or a function the trainer cannot call as fn(prompts,
             # images), is one line before any model loads
             check_reward(resolve(name), name, [], "images")
-    if args.run.save_hf_every:
+    if args.run_args.save_hf_every:
         raise UserError("--save-hf-every exports language models; train_flow_grpo.py writes its final model "
                         "(run_dir/final) and checkpoints (--save-every): drop --save-hf-every")
     if args.reward_weights and len(args.reward_weights) != len(args.rewards):
@@ -166,7 +168,8 @@ def noises(seed: int, shape: tuple, count: int) -> torch.Tensor:
 def rollout(step: int, rows: list[dict], args: Args, actor, reward, ts, plan, timer) -> dict:
     """This rank's prompts of step `step`, K SDE trajectories each, scored. -> xs [n, S + 1, C, H,
     W], logps [n, S], cond [n, 3], rewards [n], scored [n], parts {term: [n]}, sde_on [S]."""
-    order = random.Random(f"{args.run.seed}-order-{step}").sample(range(len(rows)), args.prompts_per_step)
+    order = random.Random(f"{args.run_args.seed}-order-{step}").sample(range(len(rows)),
+                                                                       args.prompts_per_step)
     # this rank's share of each minibatch (global minibatch m is the same prompts on any world size)
     P, M, W = args.prompts_per_step, args.minibatches, plan.dp
     share = P // (M * W)
@@ -176,7 +179,7 @@ def rollout(step: int, rows: list[dict], args: Args, actor, reward, ts, plan, ti
     prompts = [rows[r]["prompt"] for _, r in mine for _ in range(K)]
     cond = torch.tensor([shapes.parse_prompt(p) for p in prompts], device=plan.device)  # [n, 3]
     image = (cfg.channels, cfg.image_size, cfg.image_size)
-    z = torch.cat([noises(prompt_seed(args.run.seed, step, i), (S + 1, *image), K) for i, _ in mine])
+    z = torch.cat([noises(prompt_seed(args.run_args.seed, step, i), (S + 1, *image), K) for i, _ in mine])
     on = flow.window(S, args.window, args.window_every, step) if args.window else None  # MixGRPO
     with timer("sample"):
         velocity = partial(actor.velocity, chunks=pieces(len(prompts), args))
@@ -210,13 +213,13 @@ def trained_steps(step: int, sde_on: torch.Tensor, args: Args) -> list[int]:
     --timestep-fraction of them (seeded by the step: the same on every rank)."""
     on = [j for j, s in enumerate(sde_on.tolist()) if s]
     keep = max(1, round(args.timestep_fraction * len(on)))
-    return sorted(random.Random(f"{args.run.seed}-steps-{step}").sample(on, keep))
+    return sorted(random.Random(f"{args.run_args.seed}-steps-{step}").sample(on, keep))
 
 
 def loss_fn(piece, got, adv, ref_mean, std, ts, args: Args, actor, norm: float):
     """One micro-batch of rows [lo, hi) at trained step j: Flow-GRPO's loss. piece (lo, hi, j, jj):
     jj is j's place among the trained steps. The rows' log-prob of the stored next latent under the
-    current model (utils/flow.py `recompute`: the same step code as the sampler), PPO's clipped
+    current model (rl/flow.py `recompute`: the same step code as the sampler), PPO's clipped
     ratio to the rollout's log-prob with the image's advantage, and beta x the KL to the reference
     (its mean at the same latent). Summed over rows / norm (this rank's share of all images)."""
     lo, hi, j, jj = piece
@@ -274,7 +277,8 @@ def evaluate(rows: list[dict], args: Args, actor, reward, plan, timer) -> tuple[
         prompts = [rows[i]["prompt"] for i in mine]
         cfg = actor.config
         image = (cfg.channels, cfg.image_size, cfg.image_size)
-        z = torch.cat([noises(prompt_seed(args.run.seed, -1, i), image, 1) for i in mine]).to(plan.device)
+        z = torch.cat([noises(prompt_seed(args.run_args.seed, -1, i), image, 1)
+                       for i in mine]).to(plan.device)
         cond = torch.tensor([shapes.parse_prompt(p) for p in prompts], device=plan.device)
         ts = flow.timesteps(args.eval_steps, args.shift)
         images = flow.sample(actor.velocity, z, cond, ts, "ode")["image"].clamp(-1, 1).cpu()
@@ -323,10 +327,10 @@ def log_step(step, got, train, timer, args: Args, plan, metrics: dict) -> tuple[
 
 if __name__ == "__main__":
     args = parse(Args, check_args)
-    rank, world, device = dist.init(args.run.timeout_s)
+    rank, world, device = dist.init(args.run_args.timeout_s)
     plan = placement.plan("colocate", rank, world, device, args.prompts_per_step,
-                          timeout_s=args.run.timeout_s)
-    torch.manual_seed(args.run.seed)
+                          timeout_s=args.run_args.timeout_s)
+    torch.manual_seed(args.run_args.seed)
     rows, eval_rows = shapes.prompts("train"), shapes.prompts("eval")
 
     # the roles on every rank: the policy (its own sampler), the reference, the rewards
@@ -335,9 +339,9 @@ if __name__ == "__main__":
                       args.max_grad_norm, args.micro_batch_size)
     ref = FlowActor(args.model, plan.mesh, device, micro_batch_size=args.micro_batch_size,
                     frozen=True) if args.kl_coef > 0 else None
-    names = [f"utils.image_rewards:{n}" if n in IMAGE_REWARDS else n for n in args.rewards]
+    names = [f"tasks.image_rewards:{n}" if n in IMAGE_REWARDS else n for n in args.rewards]
     reward = Reward(names, args.reward_weights, args.reward_timeout_s)
-    run = Run(args, plan, actor, reward)
+    session = Run(args, plan, actor, reward)
     ts = flow.timesteps(args.train_steps, args.shift).to(device)  # [S + 1]: 1 (noise) to 0 (the image)
     first_images = None
     if rank == 0:
@@ -346,7 +350,7 @@ if __name__ == "__main__":
               f"{len(eval_rows)} eval; {args.sde} SDE, "
               f"{args.train_steps} steps to train, {args.eval_steps} to evaluate", flush=True)
 
-    for step in range(run.start, args.steps):
+    for step in range(session.start, args.steps):
         timer = Timer()
         metrics = {}
         if args.eval_every and step % args.eval_every == 0:
@@ -361,20 +365,21 @@ if __name__ == "__main__":
         with timer("train"):
             train = update(actor, got, adv, got["trained"], ref_mean, ts, args, plan)
         metrics, guards = log_step(step, got, train, timer, args, plan, metrics)
-        if run.end_of_step(step, metrics if rank == 0 else None, (None, guards)):
+        if session.end_of_step(step, metrics if rank == 0 else None, (None, guards)):
             break
 
     # the end: the held-out reward, the policy, the picture of the curves and the samples
-    if not run.stopped:
+    if not session.stopped:
         held_out, images = evaluate(eval_rows, args, actor, reward, plan, Timer())
         if rank == 0:
-            run.log.log(args.steps - 1, {"final": True, **held_out})
-        if args.run.save_final:
-            actor.export(os.path.join(args.run.run_dir, "final"), rank)
+            session.log.log(args.steps - 1, {"final": True, **held_out})
+        if args.run_args.save_final:
+            actor.export(os.path.join(args.run_args.run_dir, "final"), rank)
         before = gathered(first_images, plan) if first_images is not None else None
         after = gathered(images, plan)
     if rank == 0:
-        picture = plot_flow(args.run.run_dir, before, after) if not run.stopped else None
-        run.log.summary(os.path.join(args.run.run_dir, "final") if args.run.save_final else None, picture)
-        run.log.close()
+        picture = plot_flow(args.run_args.run_dir, before, after) if not session.stopped else None
+        final_dir = os.path.join(args.run_args.run_dir, "final") if args.run_args.save_final else None
+        session.log.summary(final_dir, picture)
+        session.log.close()
     dist.exit_now(0)

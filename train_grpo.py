@@ -13,7 +13,7 @@ and the metric reductions are collective. With --placement disaggregate the roll
 Read from the step loop in `train` at the bottom: `rollouts.py` makes each step's scored
 samples, `advantages` and `loss_fn` are GRPO, `update` runs the optimizer steps (roles/actor.py),
 `placement.sync` moves the weights; features that are not the algorithm are components chosen
-before the loop (rollouts, utils/mismatch.py, rebalance.py) and run.py holds the scaffolding.
+before the loop (rollouts, rl/mismatch.py, rebalance.py) and run.py holds the scaffolding.
 """
 import math
 import time
@@ -23,31 +23,25 @@ from typing import ClassVar, Literal
 
 import torch
 
+import memory
 import placement
 import rollouts
+import run
+from engines.episodes import EnvArgs
+from models.lora import LoraArgs
 from placement import PlacementArgs
 from rebalance import RebalanceArgs, Rebalancer, arrive, window_entry
+from rl import algos
+from rl.mismatch import Correction, MismatchArgs
 from roles import judge as judge_role
-from roles.actor import Actor
-from roles.reference import Reference
 from roles.reward import OverlongArgs, RewardArgs, Scorer
-from roles.reward_model import RewardModel
-from roles.teacher import DistillArgs, Teacher
+from roles.teacher import DistillArgs
 from rollouts import DynamicSamplingArgs
-from run import (DataArgs, Evaluator, Flat, Run, RunArgs, load_prompts, parse, reduce_step, run_rollout_rank,
-                 step_metrics)
-from utils import algos, dist, episodes, lora, memory, tp
-from utils.data import Tokenizer, make_batch, micro_batches, per_sample
-from utils.engines import SamplingParams, check_engine, make_engine
-from utils.episodes import EnvArgs
-from utils.lora import LoraArgs
-from utils.errors import UserError, check_applies, check_rules
+from run import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
+from tasks.data import make_batch, per_sample
+from utils import dist
+from utils.errors import check_rules
 from utils.logger import Timer
-from utils.mismatch import Correction, MismatchArgs
-from utils.model import read_config
-from utils.vision import most_images
-
-MAX = torch.distributed.ReduceOp.MAX
 
 
 @dataclass
@@ -59,19 +53,6 @@ class Args:
     """prompts per step over all trainer ranks (each takes prompts_per_step / trainers)"""
     num_generations: int = 8
     """completions per prompt: the group of GRPO's group-relative advantage"""
-    max_new_tokens: int = 8
-    """completion length limit"""
-    temperature: float = 1.0
-    """sampling temperature (also applied to the trainer's log-probs)"""
-    top_p: float = 1.0
-    """nucleus sampling mass"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
-    env: Flat[EnvArgs] = field(default_factory=EnvArgs)
-    reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
-    overlong: Flat[OverlongArgs] = field(default_factory=OverlongArgs)
-    judge: Flat[judge_role.JudgeArgs] = field(default_factory=judge_role.JudgeArgs)
-    ds: Flat[DynamicSamplingArgs] = field(default_factory=DynamicSamplingArgs)
     advantage: Literal["grpo", "rloo", "reinforce++", "reinforce++_baseline", "remax"] = "grpo"
     """grpo: reward minus its group's mean, over the group's std (see --scale-std); rloo: minus the
     mean of the group's other samples; reinforce++: the KL to the reference in the per-token reward
@@ -79,6 +60,12 @@ class Args:
     subtracted first; remax: minus the reward of one greedy completion of the prompt"""
     scale_std: bool = True
     """grpo: divide group advantages by the group's reward std; off = Dr. GRPO (with --loss-agg constant)"""
+    sampling: Flat[SamplingArgs] = field(default_factory=SamplingArgs)
+    env: Flat[EnvArgs] = field(default_factory=EnvArgs)
+    reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
+    overlong: Flat[OverlongArgs] = field(default_factory=OverlongArgs)
+    judge: Flat[judge_role.JudgeArgs] = field(default_factory=judge_role.JudgeArgs)
+    dynamic_sampling: Flat[DynamicSamplingArgs] = field(default_factory=DynamicSamplingArgs)
     lr: float = 3e-4
     """AdamW learning rate (after warm-up)"""
     warmup_steps: int = 3
@@ -116,21 +103,15 @@ class Args:
     each completion's sum over --max-new-tokens (Dr. GRPO)"""
     minibatches: int = 1
     """optimizer steps per rollout batch (>1: later ones are off-policy; the ratio and clip handle it)"""
-    correction: Flat[MismatchArgs] = field(default_factory=MismatchArgs)
+    mismatch: Flat[MismatchArgs] = field(default_factory=MismatchArgs)
     micro_batch_size: int = 256
     """completions per forward/backward on each rank (fewer FSDP gathers per step: 0.30 -> 0.22 s
     of training per step on the tiny default against 64; lower it for a large model's memory)"""
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
-    compile: bool = False
-    """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
-    the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
+    compute: Flat[ComputeArgs] = field(default_factory=ComputeArgs)
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
-    engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
-    layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
-    balance: Flat[RebalanceArgs] = field(default_factory=RebalanceArgs)
-    run: Flat[RunArgs] = field(default_factory=RunArgs)
+    placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
+    rebalance: Flat[RebalanceArgs] = field(default_factory=RebalanceArgs)
+    run_args: Flat[RunArgs] = field(default_factory=RunArgs)
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
         "scale_std": ("advantage", lambda a: a == "grpo", "--advantage grpo"),
         "clip_low": ("policy_loss", lambda p: p != "gspo", "--policy-loss ppo, dual_clip or cispo"),
@@ -142,60 +123,31 @@ class Args:
 
 
 def check_args(args: Args, world: int):
-    """Every flag's range and the combinations that cannot work (each component checks its own):
-    a mistake stops the run here, before any process group or model load, with what to change."""
-    args.data.check()
+    """Every flag's range and the combinations that cannot work (each component checks its own,
+    run.py what GRPO and PPO share): a mistake stops the run here, before any process group or
+    model load, with what to change."""
     check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
-        ("steps", args.steps >= 1, "use 1 or more"),
-        ("prompts_per_step", args.prompts_per_step >= 1, "use 1 or more"),
         ("num_generations", args.num_generations >= 2 or args.distill.alone(args.reward), "use 2 or more: "
          "GRPO's advantage compares the samples of a prompt's group, and with 1 every advantage is 0, so "
          "nothing would train (1 only for distillation alone: --teacher-model with --reward-weights 0)"),
-        ("max_new_tokens", args.max_new_tokens >= 1, "use 1 or more"),
-        ("temperature", 0 < args.temperature < math.inf, "use a positive number (1.0: the model as it is)"),
-        ("top_p", 0 < args.top_p <= 1, "use a number in (0, 1] (1.0: off)"),
-        ("top_k", args.top_k >= 0, "use 0 (off) or a number of tokens"),
-        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
-        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
-        ("weight_decay", 0 <= args.weight_decay < math.inf, "use 0 or more"),
-        ("max_grad_norm", 0 < args.max_grad_norm, "use a positive norm"),
-        ("advantage", args.advantage != "remax" or args.layout.placement != "partial",
+        ("advantage", args.advantage != "remax" or args.placement.placement != "partial",
          "remax's greedy baseline is not generated in partial placement: use another --advantage, or "
          "another --placement"),
-        ("clip_low", 0 <= args.clip_low < 1, "use a number in [0, 1)"),
-        ("clip_high", 0 <= args.clip_high < math.inf, "use 0 or more"),
         ("dual_clip_c", args.dual_clip_c > 1, "use a bound above 1, such as 3"),
         ("gspo_clip_low", 0 <= args.gspo_clip_low < 1, "use a number in [0, 1), such as 3e-4"),
-        ("gspo_clip_high", 0 <= args.gspo_clip_high < math.inf, "use 0 or more, such as 4e-4"),
-        ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (no KL term) or more"),
-        ("minibatches", args.minibatches >= 1, "use 1 or more"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more")])
-    args.overlong.check(args.max_new_tokens)
-    args.env.check()
-    args.ds.check(args)
-    args.correction.check()
-    args.distill.check()
-    args.run.check()
-    args.lora.check(args.engine, args.layout.placement)
-    layout = args.layout.check(world, args.prompts_per_step)  # rollout ranks, staleness, the batch split
-    args.balance.check(args, world, layout)
-    rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
-    if rows % args.minibatches:
-        raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
-                        f"trainer rank trains per step: use a divisor of {rows}")
-    check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
-    check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
+        ("gspo_clip_high", 0 <= args.gspo_clip_high < math.inf, "use 0 or more, such as 4e-4")])
+    layout = run.check_flags(args, world)  # what GRPO and PPO share; the layout: rollout ranks, staleness
+    args.overlong.check(args.sampling.max_new_tokens)
+    args.dynamic_sampling.check(args)
+    args.mismatch.check()
+    args.rebalance.check(args, world, layout)
     # the checkpoints last: hub ids become their snapshots (computed at runtime); a vision-language
     # --model refuses what would read its prompts as text
-    args.data.check_model({"--tools": args.env.tools, "--env": args.env.env,
-                           "--judge-model": args.judge.judge_model,
-                           "--reward-model": args.reward.reward_model,
-                           "--teacher-model": args.distill.teacher_model})
-    args.reward.check(args.data)
-    args.distill.check_model(args.data.model)
+    run.check_models(args, world, {"--tools": args.env.tools, "--env": args.env.env,
+                                   "--judge-model": args.judge.judge_model,
+                                   "--reward-model": args.reward.reward_model,
+                                   "--teacher-model": args.distill.teacher_model})
     args.judge.check(args)
-    args.env.check_model(args.data.model)  # the chat template carries an episode token for token
-    tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
@@ -204,19 +156,20 @@ def loss_fn(logp, batch, norm: float, args: Args):
     clip-higher), times the mismatch correction's weight if any, plus kl_coef times a KL estimate
     to the reference policy (unless REINFORCE++ put the KL in the reward), each summed over
     tokens and divided by `norm` (see `algos.aggregate`). logp [n, T]: the policy's log-probs of
-    the completion tokens; batch: utils.data.Batch. Returns (loss, metric sums)."""
+    the completion tokens; batch: tasks.data.Batch. Returns (loss, metric sums)."""
     mask, old, adv = batch["loss_mask"], batch["old_logp"], batch["adv"]  # [n, T] each
     if args.policy_loss == "ppo":
         pg, clip_active = algos.clipped_surrogate(logp, old, adv, args.clip_low, args.clip_high)  # [n, T]
-    else:  # the rest of the menu (utils/algos.py POLICY_LOSSES)
+    else:  # the rest of the menu (rl/algos.py POLICY_LOSSES)
         pg, clip_active = algos.POLICY_LOSSES[args.policy_loss](logp, old, adv, mask, args)  # [n, T]
     if "is_weight" in batch:  # --mismatch tis / icepop
         pg = pg * batch["is_weight"]  # [n, T]
-    loss = algos.aggregate(pg, mask, args.loss_agg, norm, args.max_new_tokens)
+    loss = algos.aggregate(pg, mask, args.loss_agg, norm, args.sampling.max_new_tokens)
     sums = {"pg_loss": (pg.detach() * mask).sum(), "clipped_tokens": (clip_active & (mask > 0)).sum()}
     if args.kl_coef > 0 and not args.advantage.startswith("reinforce++"):
         kl = algos.kl_estimate(logp, batch["ref_logp"], args.kl_estimator)  # [n, T]
-        loss = loss + args.kl_coef * algos.aggregate(kl, mask, args.loss_agg, norm, args.max_new_tokens)
+        loss = loss + args.kl_coef * algos.aggregate(kl, mask, args.loss_agg, norm,
+                                                     args.sampling.max_new_tokens)
         sums["kl"] = (kl.detach() * mask).sum()
     return loss, sums
 
@@ -233,7 +186,7 @@ def advantages(got, batch, args: Args, plan):
     elif args.advantage == "grpo":
         adv = algos.group_advantages(rewards.view(-1, n), args.scale_std, scored=scored.view(-1, n))  # [G, n]
         adv = adv.reshape(-1, 1).to(mask.device).expand_as(mask)  # [N, T]
-    else:  # the rest of the menu (utils/algos.py ADVANTAGES): rloo, remax, reinforce++ (batch-whitened)
+    else:  # the rest of the menu (rl/algos.py ADVANTAGES): rloo, remax, reinforce++ (batch-whitened)
         reduce_sum = partial(torch.distributed.all_reduce, group=plan.trainer_group)
         adv = algos.ADVANTAGES[args.advantage](got, batch, args, reduce_sum)  # [N, T]
     if "teacher_logp" in batch:  # on-policy distillation: coef (log teacher - log student) per token
@@ -244,53 +197,41 @@ def advantages(got, batch, args: Args, plan):
     return adv
 
 
-def update(actor, batch, args: Args, plan):
+def update(actor, batch, args: Args, plan) -> run.Totals:
     """--minibatches optimizer steps on this rank's batch. Each minibatch's loss is normalised by
-    its token (or completion) count over all trainer ranks, so that FSDP's gradient average is
-    the mean over the whole minibatch. Returns the steps' metric sums and maxima."""
-    size = len(batch["adv"]) // args.minibatches  # rows per minibatch (check_args: it divides)
-    minis = list(micro_batches(batch, size))
-    counts = []
-    for mini in minis:
-        if args.loss_agg == "token":
-            counts.append(float(mini["loss_mask"].sum()))
-        else:
-            counts.append(float((mini["loss_mask"].sum(-1) > 0).sum()))  # completions in the loss
-    counts = torch.tensor(counts, dtype=torch.float64)
-    torch.distributed.all_reduce(counts, group=plan.trainer_group)
+    its token (or completion) count over all trainer ranks (run.split_minibatches), so that FSDP's
+    gradient average is the mean over the whole minibatch. Returns the steps' metric sums and maxima."""
     # the zero-advantage row skip is exact only while every loss term is proportional to the
     # advantage: the KL term in the loss is not (REINFORCE++ puts it in the reward)
     skip = args.kl_coef == 0 or args.advantage.startswith("reinforce++")
-    sums, maxes = {}, {}
-    for mini, count in zip(minis, counts.tolist()):
-        s, m = actor.train_step(mini, partial(loss_fn, args=args), count / plan.dp, skip_zero_adv_rows=skip)
-        for k, v in s.items():
-            sums[k] = sums.get(k, 0) + v
-        for k, v in m.items():
-            maxes[k] = torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v))
-    return sums, maxes
+    trained = run.Totals({}, {})
+    for mini, tokens, completions in run.split_minibatches(batch, args.minibatches, plan):
+        norm = tokens if args.loss_agg == "token" else completions  # completions: sequence, constant
+        trained.add(*actor.train_step(mini, partial(loss_fn, args=args), norm, skip_zero_adv_rows=skip))
+    return trained
 
 
-def log_step(step, metrics, got, batch, train, sync, timer, actor, engine, extras, args: Args, plan):
-    """Reduce this step's numbers over the trainers (run.reduce_step: one sum, one max). Returns
-    (what --rebalance reads: each role's busy seconds per rank, the same on every trainer; rank 0's
-    metrics, else None). extras: the components with metrics of their own (the correction, the teacher)."""
+def log_step(record: run.StepRecord, actor, engine, correction, teacher, args: Args, plan):
+    """Reduce this step's numbers over the trainers (run.reduce_step: one sum, one max), with those
+    of the components that have metrics of their own (the correction, the teacher). Returns (what
+    --rebalance reads: each role's busy seconds per rank, the same on every trainer; rank 0's
+    metrics, else None)."""
     n = args.num_generations
-    correction, teacher = extras
+    got, batch, metrics = record.got, record.batch, record.metrics
     groups = got.rewards.view(-1, n)  # [prompts, n]
-    s = timer.seconds
-    total, peak = reduce_step(step, got, batch["loss_mask"], timer, engine, plan, sums={
-        **train[0], **correction.sums, **teacher.sums(batch),
+    s = record.timer.seconds
+    total, peak = run.reduce_step(record, engine, plan, sums={
+        **record.trained.sums, **correction.sums, **teacher.sums(batch),
         "all_same": (groups.max(-1).values == groups.min(-1).values).sum(),
         "judge_unparsed": got.tally["judge_unparsed"], "judge_verdicts": got.tally["judge_verdicts"]}, maxes={
-        **train[1], **correction.maxes, **sync, "judge_s": s.get("judge", 0.0),
+        **record.trained.maxes, **correction.maxes, **record.sync, "judge_s": s.get("judge", 0.0),
         "rollout_judge_s": s["generate"] + s.get("judge", 0.0), "old_logp_s": s.get("old_logp", 0.0),
         "teacher_s": s.get("teacher", 0.0)})
     entry = window_entry(total, peak, plan)  # what --rebalance reads: the same on every rank
     if plan.rank != 0:
         return entry, None
     T = max(1.0, total["completion_tokens"])
-    metrics.update({**got.metrics, **step_metrics(total, peak, got, actor, plan),
+    metrics.update({**got.metrics, **run.step_metrics(total, peak, got, actor, plan),
                     "rollout/groups_all_same": total["all_same"] / (total["completions"] / n),
                     "train/kl": total.get("kl", 0.0) / T, "perf/old_logp_s": peak["old_logp_s"]})
     if args.judge.judge_model:
@@ -305,45 +246,34 @@ def train(args: Args, plan, arrival, cfg, tok, prompts: tuple, local_engine):
     layout's Plan and rebalance.Arrival, which carries the state moved onto it."""
     # the roles on every trainer rank: the actor, the reference, the reward model, the judge
     rows, skipped, eval_rows = prompts
-    device, param_dtype = plan.device, getattr(torch, args.param_dtype)
-    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
+    device = plan.device
+    max_len = args.env.context(args.data.max_prompt_tokens + args.sampling.max_new_tokens)
     dist.mark_memory_start(device)  # what the models and steps add is measured from here
     if plan.rank == 0:
-        print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
+        print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout_ranks, device,
                              max(len(r["ids"]) for r in rows), len(eval_rows)), flush=True)
-    actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
-                  args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size,
-                  decay_steps=args.steps if args.lr_schedule == "linear" else 0, compile=args.compile,
-                  lora=args.lora, seed=args.run.seed, freeze_vision=args.data.freeze_vision)
-    ref = None
-    if args.kl_coef > 0 and args.lora.lora_rank:
-        ref = lora.Reference(actor)  # the actor with its adapters off: no second model
-    elif args.kl_coef > 0:
-        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature,
-                        args.micro_batch_size)
-    rm = None
-    if args.reward.reward_model:
-        rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
-    teacher = Teacher(args.distill, plan, device, param_dtype, args.temperature, args.micro_batch_size)
-    judge = judge_role.for_run(args, plan, rows, device, param_dtype, max_len)  # partial: judge ranks only
-    bucket_bytes = int(args.layout.sync_bucket_mb * 2**20)
+    actor = run.make_actor(args, plan)
+    ref, rm, teacher = run.frozen_roles(args, plan, actor)  # ref, rm: None without their flags
+    # partial: the judge ranks only
+    judge = judge_role.for_run(args, plan, rows, device, args.compute.dtype, max_len)
+    bucket_bytes = int(args.placement.sync_bucket_mb * 2**20)
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
     # the components, chosen once: each does nothing when its flags are off
-    scorer = Scorer(args.reward, rm, judge, tok.pad_id, device, args.max_new_tokens, args.overlong)
-    run = Run(args, plan, actor, scorer, arrival=arrival)
-    rollout = rollouts.choose(engine, scorer, rows, args, plan, judge, run.resumed)
-    evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
-        1, args.temperature, args.top_p, args.top_k, args.max_new_tokens), args.run.seed, plan)
-    correction = Correction(args.correction, actor)
-    rebalancer = Rebalancer(args, plan, actor, arrival, run.start, run.log, rollout.saved, engine)
+    scorer = Scorer(args.reward, rm, judge, tok.pad_id, device, args.sampling.max_new_tokens, args.overlong)
+    session = run.Run(args, plan, actor, scorer, arrival=arrival)
+    rollout = rollouts.choose(engine, scorer, rows, args, plan, judge, session.resumed)
+    evaluate = run.Evaluator(eval_rows, args.data.eval_every, args.steps, args.sampling.params(1),
+                             args.run_args.seed, plan)
+    correction = Correction(args.mismatch, actor)
+    rebalancer = Rebalancer(args, plan, actor, arrival, session.start, session.log, rollout.saved, engine)
     if plan.rank == 0:
         print(f"{plan.layout.world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; "
               f"model {args.data.model} ({actor.config.num_params() / 1e6:.2f}M params); {len(rows)} train "
               f"prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} eval", flush=True)
 
     n = args.num_generations
-    for step in range(run.start, args.steps):
+    for step in range(session.start, args.steps):
         timer = Timer()
         sync = placement.sync(plan, actor, engine, step, timer)  # the policy after `step` updates
         metrics = evaluate(step, engine, timer)  # held-out accuracy, when due
@@ -366,35 +296,22 @@ def train(args: Args, plan, arrival, cfg, tok, prompts: tuple, local_engine):
         # update: --mismatch / --recompute-old-logp first (nothing when off), then the optimizer steps
         correction.apply(batch, timer)
         with timer("train"):
-            train = update(actor, batch, args, plan)
+            trained = update(actor, batch, args, plan)
 
-        entry, metrics = log_step(step, metrics, got, batch, train, sync, timer, actor, engine,
-                                  (correction, teacher), args, plan)
-        if run.end_of_step(step, metrics, train, rollout.saved()) or rebalancer.after_step(step, entry):
+        record = run.StepRecord(step, timer, sync, metrics, got, batch, trained)
+        entry, metrics = log_step(record, actor, engine, correction, teacher, args, plan)
+        if session.end_of_step(step, metrics, trained, rollout.saved()) or rebalancer.after_step(step, entry):
             break  # a stop (SIGTERM), or a move to another layout
-    run.finish(engine, evaluate, rebalancer.exit_code)  # leaves the process, unless a move goes on in it
-    return rebalancer.next_layout(actor, rollout.saved(), arrival, run.log)
+    session.finish(engine, evaluate, rebalancer.exit_code)  # leaves the process, unless a move goes on in it
+    return rebalancer.next_layout(actor, rollout.saved(), arrival, session.log)
 
 
 if __name__ == "__main__":
-    args = parse(Args, check_args)
+    args = run.parse(Args, check_args)
     arrival = arrive(args, time.time())  # --rebalance-restart moved the ranks: resume in their layout
-    cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
-    rank, world, device = dist.init(args.run.timeout_s)
-    plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
-                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s,
-                          args.layout.sampler_ranks, args.layout.gen_tp)
-    torch.manual_seed(args.run.seed)
-    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
-    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
-    args.reward.check_rows(rows)  # the columns the reward terms read
-    serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
-    param_dtype = getattr(torch, args.param_dtype)
-    engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                        args.run.seed, lora_rank=serve_lora, max_images=most_images(rows + eval_rows))
-    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
+    cfg, tok, plan, prompts, local_engine = run.set_up(args)  # the process group, the plan, prompts, engine
     while True:  # each layout of the run: a --rebalance move in process (rebalance.py) goes on here
         if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop
-            plan, arrival = run_rollout_rank(plan, local_engine, arrival)
+            plan, arrival = run.run_rollout_rank(plan, local_engine, arrival)
         else:
-            plan, arrival = train(args, plan, arrival, cfg, tok, (rows, skipped, eval_rows), local_engine)
+            plan, arrival = train(args, plan, arrival, cfg, tok, prompts, local_engine)

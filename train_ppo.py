@@ -26,46 +26,36 @@ from typing import ClassVar, Literal
 
 import torch
 
+import memory
 import placement
 import rollouts
+import run
+from engines.episodes import EnvArgs
+from models.hf import checked_model, read_config
+from models.lora import LoraArgs
+from models.tokenizer import check_same_tokenizer
 from placement import PlacementArgs
-from roles.actor import Actor
+from rl import algos
 from roles.critic import Critic
-from roles.reference import Reference
 from roles.reward import RewardArgs, Scorer
-from roles.reward_model import RewardModel
-from roles.teacher import DistillArgs, Teacher
-from run import (DataArgs, Evaluator, Flat, Run, RunArgs, checked_model, load_prompts, parse, reduce_step,
-                 run_rollout_rank, step_metrics)
-from utils import algos, dist, episodes, lora, memory, tp
-from utils.data import Tokenizer, check_same_tokenizer, make_batch, micro_batches, per_sample
-from utils.engines import SamplingParams, check_engine, make_engine
-from utils.episodes import EnvArgs
-from utils.lora import LoraArgs
-from utils.errors import UserError, check_applies, check_rules
+from roles.teacher import DistillArgs
+from run import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
+from tasks.data import make_batch, per_sample
+from utils import dist
+from utils.errors import UserError, check_rules
 from utils.logger import Timer
-from utils.model import read_config
-
-MAX = torch.distributed.ReduceOp.MAX
 
 
 @dataclass
 class Args:
-    data: Flat[DataArgs] = field(default_factory=DataArgs)
     steps: int = 600
     """optimizer steps (one rollout batch each)"""
     prompts_per_step: int = 256
     """prompts per step over all trainer ranks (each takes prompts_per_step / trainers)"""
     num_generations: int = 1
     """completions per prompt (PPO needs no group: the critic is the baseline)"""
-    max_new_tokens: int = 8
-    """completion length limit"""
-    temperature: float = 1.0
-    """sampling temperature (also applied to the trainer's log-probs)"""
-    top_p: float = 1.0
-    """nucleus sampling mass"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
+    data: Flat[DataArgs] = field(default_factory=DataArgs)
+    sampling: Flat[SamplingArgs] = field(default_factory=SamplingArgs)
     env: Flat[EnvArgs] = field(default_factory=EnvArgs)
     reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
     gamma: float = 1.0
@@ -112,68 +102,38 @@ class Args:
     """optimizer steps per rollout batch for actor and critic (>1: later ones are off-policy)"""
     micro_batch_size: int = 256
     """completions per forward/backward on each rank (lower it for a large model's memory)"""
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """FSDP2 MixedPrecisionPolicy param dtype (bf16 on GPU; gradients reduce in fp32)"""
-    compile: bool = False
-    """torch.compile each decoder block of the trained model(s) (torchtitan's per-block compile);
-    the first steps pay the compile (see docs/benchmarks.md: A compiled step)"""
+    compute: Flat[ComputeArgs] = field(default_factory=ComputeArgs)
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
-    engine: Literal["auto", "native", "vllm"] = "auto"
-    """generation engine: auto = vLLM on GPU when installed, else native (docs/engines.md: vLLM on CPU)"""
-    layout: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
-    run: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/ppo"))
+    placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
+    run_args: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/ppo"))
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
         "kl_estimator": ("kl_coef", lambda c: c > 0, "a --kl-coef above 0"),
         "kl_horizon": ("kl_target", lambda t: t is not None, "a --kl-target")}
 
 
 def check_args(args: Args, world: int):
-    """Every flag's range and the combinations that cannot work (each component checks its own):
-    a mistake stops the run here, before any process group or model load, with what to change."""
-    args.data.check()
+    """Every flag's range and the combinations that cannot work (each component checks its own,
+    run.py what GRPO and PPO share): a mistake stops the run here, before any process group or
+    model load, with what to change."""
     check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
-        ("steps", args.steps >= 1, "use 1 or more"),
-        ("prompts_per_step", args.prompts_per_step >= 1, "use 1 or more"),
         ("num_generations", args.num_generations >= 1, "use 1 or more"),
-        ("max_new_tokens", args.max_new_tokens >= 1, "use 1 or more"),
-        ("temperature", 0 < args.temperature < math.inf, "use a positive number (1.0: the model as it is)"),
-        ("top_p", 0 < args.top_p <= 1, "use a number in (0, 1] (1.0: off)"),
-        ("top_k", args.top_k >= 0, "use 0 (off) or a number of tokens"),
         ("gamma", 0 <= args.gamma <= 1, "use a number in [0, 1]"),
         ("lam", 0 <= args.lam <= 1, "use a number in [0, 1]"),
-        ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (no KL term) or more"),
         ("kl_target", args.kl_target is None or 0 < args.kl_target < math.inf, "use a positive KL, or none"),
         ("kl_target", args.kl_target is None or args.kl_coef > 0,
          "it adapts --kl-coef, which is 0 (no KL term): give a --kl-coef above 0, or drop --kl-target"),
         ("kl_horizon", args.kl_horizon >= 1, "use 1 or more completions"),
-        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
         ("critic_lr", 0 < args.critic_lr < math.inf, "use a positive learning rate such as 1e-3"),
-        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
-        ("weight_decay", 0 <= args.weight_decay < math.inf, "use 0 or more"),
-        ("max_grad_norm", 0 < args.max_grad_norm, "use a positive norm"),
-        ("clip_low", 0 <= args.clip_low < 1, "use a number in [0, 1)"),
-        ("clip_high", 0 <= args.clip_high < math.inf, "use 0 or more"),
-        ("value_clip", 0 < args.value_clip < math.inf, "use a positive number"),
-        ("minibatches", args.minibatches >= 1, "use 1 or more"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more")])
+        ("value_clip", 0 < args.value_clip < math.inf, "use a positive number")])
     check_rules(args.reward, [("rewards", "judge" not in args.reward.rewards, "the generative judge "
                 "(--judge-model) is train_grpo.py's: use terms without `judge` (train_ppo.py takes rules, "
                 "functions and a Bradley-Terry `rm`)")])
-    check_rules(args.layout, [("placement", args.layout.placement != "partial", "partial placement splits "
-                "the rollout between a sampler and a judge, which is train_grpo.py's: use colocate or "
+    check_rules(args.placement, [("placement", args.placement.placement != "partial", "partial placement "
+                "splits the rollout between a sampler and a judge, which is train_grpo.py's: use colocate or "
                 "disaggregate")])
-    args.distill.check()
-    args.run.check()
-    args.lora.check(args.engine, args.layout.placement)
-    args.env.check()
-    layout = args.layout.check(world, args.prompts_per_step)
-    rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
-    if rows % args.minibatches:
-        raise UserError(f"--minibatches {args.minibatches} does not split the {rows} completions each "
-                        f"trainer rank trains per step: use a divisor of {rows}")
-    check_applies(args)  # a flag set where it does nothing (each component lists its own: APPLIES)
-    check_engine(args.engine, args.layout.placement)  # vLLM installed, before any rank needs it
-    args.data.check_model()  # the checkpoints last: hub ids become their snapshots (computed at runtime)
+    run.check_flags(args, world)  # the flags GRPO and PPO share, and the layout: rollout ranks, staleness
+    # the checkpoints last: hub ids become their snapshots (computed at runtime)
+    run.check_models(args, world)
     if read_config(args.data.model).vision is not None:
         raise UserError(f"--model {args.data.model} is a vision-language model: PPO's critic would be a "
                         "vision-language value model, which is not implemented; train it with train_grpo.py")
@@ -181,17 +141,13 @@ def check_args(args: Args, world: int):
         args.critic_model = checked_model(args.critic_model, "--critic-model", tokenizer=False)
         check_same_tokenizer(args.critic_model, "--critic-model", args.data.model, "the critic values the "
                              "policy's token ids: start it from a checkpoint with the policy's tokenizer")
-    args.reward.check(args.data)
-    args.distill.check_model(args.data.model)
-    args.env.check_model(args.data.model)  # the chat template carries an episode token for token
-    tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
 
 
 def loss_fn(logp, batch, norm: float, args: Args):
     """PPO's actor loss on one micro-batch (edit here to try another objective): the clipped
     surrogate on GAE's per-token advantages, against the engine's log-probs, summed over tokens
     and divided by `norm` (see `algos.aggregate`). The KL is in the reward, not here. logp [n, T]:
-    the policy's log-probs of the completion tokens; batch: utils.data.Batch. Returns (loss, sums)."""
+    the policy's log-probs of the completion tokens; batch: tasks.data.Batch. Returns (loss, sums)."""
     mask = batch["loss_mask"]  # [n, T]
     pg, clipped = algos.clipped_surrogate(logp, batch["old_logp"], batch["adv"], args.clip_low,
                                           args.clip_high)  # [n, T]
@@ -222,30 +178,20 @@ def advantages(batch, scores, args, kl_coef: float, plan):
     return adv, returns, kl
 
 
-def update(actor, critic, batch, args, plan, timer):
+def update(actor, critic, batch, args, plan, timer) -> run.Totals:
     """--minibatches optimizer steps of the actor, then of the critic, on this rank's batch (the
     two models share nothing, so the order does not matter). Each minibatch's losses are
-    normalised by its token (or completion) count over all trainer ranks, so that FSDP's gradient
-    average is the mean over the whole minibatch. Returns the steps' metric sums and maxima."""
-    size = len(batch["adv"]) // args.minibatches  # rows per minibatch (check_args: it divides)
-    minis = list(micro_batches(batch, size))
-    counts = []  # [minibatches, 2]: tokens, completions in the loss
-    for mini in minis:
-        counts.append([float(mini["loss_mask"].sum()), float((mini["loss_mask"].sum(-1) > 0).sum())])
-    counts = torch.tensor(counts, dtype=torch.float64)
-    torch.distributed.all_reduce(counts, group=plan.trainer_group)
-    sums, maxes = {}, {}
-    for mini, (tokens, completions) in zip(minis, counts.tolist()):
+    normalised by its token (or completion) count over all trainer ranks (run.split_minibatches),
+    so that FSDP's gradient average is the mean over the whole minibatch. Returns the steps' metric
+    sums and maxima."""
+    trained = run.Totals({}, {})
+    for mini, tokens, completions in run.split_minibatches(batch, args.minibatches, plan):
         actor_norm = tokens if args.loss_agg == "token" else completions
         with timer("train"):
-            s, m = actor.train_step(mini, partial(loss_fn, args=args), actor_norm / plan.dp)
+            trained.add(*actor.train_step(mini, partial(loss_fn, args=args), actor_norm))
         with timer("critic_train"):
-            critic_sums, critic_maxes = critic.train_step(mini, tokens / plan.dp)  # a token mean
-        for k, v in {**s, **critic_sums}.items():
-            sums[k] = sums.get(k, 0) + v
-        for k, v in {**m, **critic_maxes}.items():
-            maxes[k] = torch.maximum(torch.as_tensor(maxes.get(k, v)), torch.as_tensor(v))
-    return sums, maxes
+            trained.add(*critic.train_step(mini, tokens))  # a token mean
+    return trained
 
 
 def adapt_kl(kl_coef: float, kl, failed, args: Args, plan) -> float:
@@ -258,16 +204,18 @@ def adapt_kl(kl_coef: float, kl, failed, args: Args, plan) -> float:
                                   int(seen["n"]))
 
 
-def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, teacher, plan):
-    """Reduce this step's numbers over the trainers (run.reduce_step); rank 0's metrics, else None."""
+def log_step(record: run.StepRecord, kl, kl_coef: float, actor, engine, teacher, plan):
+    """Reduce this step's numbers over the trainers (run.reduce_step), with the teacher's and the
+    KL's (kl [N, T]: the per-token KL in the reward, at kl_coef); rank 0's metrics, else None."""
+    batch, metrics = record.batch, record.metrics
     mask = batch["loss_mask"]  # [N, T]
     error = (batch["returns"] - batch["values"]) * mask  # [N, T] what the critic missed at rollout
-    s = timer.seconds
-    total, peak = reduce_step(step, got, mask, timer, engine, plan, sums={
-        **train[0], "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(),
+    s = record.timer.seconds
+    total, peak = run.reduce_step(record, engine, plan, sums={
+        **record.trained.sums, "kl_sum": kl.sum(), "values": (batch["values"] * mask).sum(),
         "returns": batch["returns"].sum(), "returns_sq": batch["returns"].square().sum(),
         "error": error.sum(), "error_sq": error.square().sum(), **teacher.sums(batch)},
-        maxes={**train[1], **sync, "values_s": s["values"], "critic_s": s["critic_train"],
+        maxes={**record.trained.maxes, **record.sync, "values_s": s["values"], "critic_s": s["critic_train"],
                "teacher_s": s.get("teacher", 0.0)})
     if plan.rank != 0:
         return None
@@ -277,7 +225,7 @@ def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, 
     var_returns = total["returns_sq"] / T - (total["returns"] / T) ** 2
     var_error = total["error_sq"] / T - (total["error"] / T) ** 2
     metrics.update({
-        **step_metrics(total, peak, got, actor, plan), "train/kl": total["kl_sum"] / T,
+        **run.step_metrics(total, peak, record.got, actor, plan), "train/kl": total["kl_sum"] / T,
         "train/kl_per_completion": total["kl_sum"] / S, "train/kl_coef": kl_coef,
         "train/value_loss": total.get("value_loss", 0.0) / T, "train/value_mean": total["values"] / T,
         "train/value_clip_frac": total.get("value_clipped", 0.0) / T,
@@ -288,67 +236,43 @@ def log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, 
 
 
 if __name__ == "__main__":
-    args = parse(Args, check_args)
-    cfg, tok = read_config(args.data.model), Tokenizer(args.data.model)
-    rank, world, device = dist.init(args.run.timeout_s)
-    plan = placement.plan(args.layout.placement, rank, world, device, args.prompts_per_step,
-                          args.layout.rollout_ranks, args.layout.max_staleness, args.run.timeout_s,
-                          gen_tp=args.layout.gen_tp)
-    torch.manual_seed(args.run.seed)
-    param_dtype = getattr(torch, args.param_dtype)
-    max_len = args.env.context(args.data.max_prompt_tokens + args.max_new_tokens)
-    rows, skipped, eval_rows = load_prompts(args.data, tok, args.env)  # every rank: episodes start from them
-    args.reward.check_rows(rows)  # the columns the reward terms read
-    serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
-    engine_of = partial(make_engine, args.engine, args.data.model, cfg, tok, device, param_dtype, max_len,
-                        args.run.seed, lora_rank=serve_lora)
-    local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows, args.max_new_tokens)  # --env
+    args = run.parse(Args, check_args)
+    cfg, tok, plan, (rows, skipped, eval_rows), local_engine = run.set_up(args)  # the process group, the plan
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
-        run_rollout_rank(plan, local_engine)
+        run.run_rollout_rank(plan, local_engine)
 
     # the roles on every trainer rank: the actor, the critic, the reference, the reward model
-    decay_steps = args.steps if args.lr_schedule == "linear" else 0
+    device = plan.device
     critic_dir = args.critic_model or args.data.model
     dist.mark_memory_start(device)  # what the models and steps add is measured from here
-    if rank == 0:
-        print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout, device,
+    if plan.rank == 0:
+        print(memory.for_run(args, cfg, plan.mode, plan.dp, plan.layout.rollout_ranks, device,
                              max(len(r["ids"]) for r in rows), len(eval_rows), critic_dir), flush=True)
-    actor = Actor(args.data.model, plan.mesh, device, args.lr, args.warmup_steps, args.weight_decay,
-                  args.max_grad_norm, param_dtype, args.temperature, args.micro_batch_size, decay_steps,
-                  compile=args.compile, lora=args.lora, seed=args.run.seed,
-                  freeze_vision=args.data.freeze_vision)
+    actor = run.make_actor(args, plan)
     critic = Critic(critic_dir, plan.mesh, device, args.critic_lr, args.warmup_steps, args.weight_decay,
-                    args.max_grad_norm, args.value_clip, param_dtype, args.micro_batch_size, decay_steps,
-                    compile=args.compile)
-    ref = None
-    if args.kl_coef > 0 and args.lora.lora_rank:
-        ref = lora.Reference(actor)  # the actor with its adapters off: no second model
-    elif args.kl_coef > 0:
-        ref = Reference(args.data.model, plan.mesh, device, param_dtype, args.temperature,
-                        args.micro_batch_size)
-    rm = None
-    if args.reward.reward_model:
-        rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, args.micro_batch_size)
-    teacher = Teacher(args.distill, plan, device, param_dtype, args.temperature, args.micro_batch_size)
-    bucket_bytes = int(args.layout.sync_bucket_mb * 2**20)
+                    args.max_grad_norm, args.value_clip, args.compute.dtype, args.micro_batch_size,
+                    args.steps if args.lr_schedule == "linear" else 0, compile=args.compute.compile)
+    ref, rm, teacher = run.frozen_roles(args, plan, actor)  # ref, rm: None without their flags
+    bucket_bytes = int(args.placement.sync_bucket_mb * 2**20)
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)
 
     # the components, chosen once
-    scorer = Scorer(args.reward, rm, None, tok.pad_id, device, args.max_new_tokens)
-    run = Run(args, plan, actor, scorer, critic)
-    kl_coef = run.resumed.get("kl_coef", args.kl_coef)  # the adaptive controller's state
-    kind = rollouts.Ahead if args.layout.max_staleness else rollouts.OnPolicy  # generate ahead, or on-policy
+    scorer = Scorer(args.reward, rm, None, tok.pad_id, device, args.sampling.max_new_tokens)
+    session = run.Run(args, plan, actor, scorer, critic)
+    kl_coef = session.resumed.get("kl_coef", args.kl_coef)  # the adaptive controller's state
+    # generate ahead, or on-policy
+    kind = rollouts.Ahead if args.placement.max_staleness else rollouts.OnPolicy
     rollout = kind(engine, scorer, rows, args, plan)
-    evaluate = Evaluator(eval_rows, args.data.eval_every, args.steps, SamplingParams(
-        1, args.temperature, args.top_p, args.top_k, args.max_new_tokens), args.run.seed, plan)
-    if rank == 0:
-        print(f"{world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; PPO; model "
-              f"{args.data.model} ({actor.config.num_params() / 1e6:.2f}M params), critic from {critic_dir}; "
-              f"{len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), {len(eval_rows)} "
-              f"eval", flush=True)
+    evaluate = run.Evaluator(eval_rows, args.data.eval_every, args.steps, args.sampling.params(1),
+                             args.run_args.seed, plan)
+    if plan.rank == 0:
+        print(f"{plan.layout.world} rank(s), {plan.mode} ({plan.dp} trainer(s)), {type(engine).__name__}; "
+              f"PPO; model {args.data.model} ({actor.config.num_params() / 1e6:.2f}M params), critic from "
+              f"{critic_dir}; {len(rows)} train prompts ({skipped} over --max-prompt-tokens skipped), "
+              f"{len(eval_rows)} eval", flush=True)
 
     n = args.num_generations
-    for step in range(run.start, args.steps):
+    for step in range(session.start, args.steps):
         timer = Timer()
         sync = placement.sync(plan, actor, engine, step, timer)  # the policy (the critic's weights never go)
         metrics = evaluate(step, engine, timer)  # held-out accuracy, when due
@@ -371,11 +295,11 @@ if __name__ == "__main__":
         batch["adv"], batch["returns"], kl = advantages(batch, got.rewards, args, kl_coef, plan)
 
         # update: the actor's clipped surrogate, then the critic's clipped value loss, per minibatch
-        train = update(actor, critic, batch, args, plan, timer)
+        trained = update(actor, critic, batch, args, plan, timer)
 
-        metrics = log_step(step, metrics, got, batch, kl, kl_coef, train, sync, timer, actor, engine, teacher,
-                           plan)
+        record = run.StepRecord(step, timer, sync, metrics, got, batch, trained)
+        metrics = log_step(record, kl, kl_coef, actor, engine, teacher, plan)
         kl_coef = adapt_kl(kl_coef, kl, got.failed, args, plan)
-        if run.end_of_step(step, metrics, train, ({"kl_coef": kl_coef}, {})):
+        if session.end_of_step(step, metrics, trained, ({"kl_coef": kl_coef}, {})):
             break
-    run.finish(engine, evaluate)
+    session.finish(engine, evaluate)

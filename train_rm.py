@@ -19,13 +19,16 @@ from typing import ClassVar
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from models.decoder import sequence_scores
+from models.hf import checked_model, save_model
+from models.parallelize import load_sharded
+from models.tokenizer import Tokenizer
+from rl.algos import bradley_terry_loss
 from roles.actor import lr_factor
-from run import checked_model, parse, writable_dir
+from run import check_optimizer, parse, writable_dir
+from tasks.data import BUILTIN, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
 from utils import dist
-from utils.algos import bradley_terry_loss
-from utils.data import BUILTIN, Tokenizer, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
 from utils.errors import UserError, check_applies, check_rules
-from utils.model import save_model, sequence_scores
 
 
 @dataclass
@@ -87,15 +90,12 @@ def check_args(args: Args, world: int):
          "it holds out a share of --dataset, and --eval-dataset is held out instead: drop one of the two"),
         ("eval_every", args.eval_every >= 0, "use 0 (start and end only) or a number of steps"),
         ("eval_pairs", args.eval_pairs >= 1, "use 1 or more"),
-        ("steps", args.steps >= 1, "use 1 or more"),
         ("batch_size", args.batch_size >= 1 and args.batch_size % world == 0,
          f"use a multiple of the {world} ranks, such as {[world * k for k in (8, 16, 32)]}"),
-        ("lr", 0 < args.lr < math.inf, "use a positive learning rate such as 3e-4"),
-        ("warmup_steps", args.warmup_steps >= 0, "use 0 or more"),
-        ("max_grad_norm", args.max_grad_norm > 0, "use a positive norm"),
         ("max_tokens", args.max_tokens >= 2, "use 2 or more"),
         ("log_every", args.log_every >= 1, "use 1 or more"),
         ("timeout_s", 0 < args.timeout_s < math.inf, "use a positive number of seconds")])
+    check_optimizer(args)  # --steps, --lr, --warmup-steps, --max-grad-norm: as GRPO's and PPO's
     check_applies(args)
     writable_dir(args.out, "--out")
     args.model = checked_model(args.model)  # a hub id (ORG/NAME) becomes its snapshot (computed at runtime)
@@ -116,7 +116,7 @@ def split_held_out(pairs, args: Args):
 
 
 def pair_batch(pairs, pad_id: int, device):
-    """n pairs -> a utils.data.Batch of 2n rows in make_batch's layout (left-padded prompt,
+    """n pairs -> a tasks.data.Batch of 2n rows in make_batch's layout (left-padded prompt,
     right-padded answer, as the reward-model role gets the policy's samples): chosen, then rejected."""
     answers = [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs]
     T = max(map(len, answers))
@@ -167,7 +167,7 @@ if __name__ == "__main__":
     # the reward model: the decoder with one score per sequence. HF reads that score at the last
     # token that is not the pad id, so we train on that same token (an EOS equal to the pad id
     # is then skipped, as transformers skips it)
-    model = dist.load_sharded(args.model, mesh, device, value_head=True)
+    model = load_sharded(args.model, mesh, device, value_head=True)
     cfg = replace(model.config, pad_token_id=tok.pad_id)
     model.config = cfg
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99), fused=True)

@@ -15,11 +15,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import placement  # noqa: E402
+from assets.make import random_checkpoint
 from roles.actor import Actor  # noqa: E402
+from tasks.data import make_batch
 from train_grpo import Args, loss_fn  # noqa: E402
 from utils import checkpoint, dist  # noqa: E402
-from utils.data import make_batch  # noqa: E402
-from utils.tiny import random_checkpoint  # noqa: E402
 
 rank, world, device = dist.init(timeout_s=600)
 plan = placement.plan("colocate", rank, world, device, prompts_per_step=world)

@@ -47,7 +47,7 @@ def qwen2_checkpoint(path: str, hidden=256, layers=4, vocab=1024, seed=0):
     defaults), saved by transformers, with the built-in task's tokenizer."""
     import transformers
 
-    from utils.tiny import make_tokenizer
+    from assets.make import make_tokenizer
 
     eos = make_tokenizer(path, vocab_size=vocab)
     cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,

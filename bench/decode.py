@@ -17,10 +17,11 @@ import time
 import torch
 from common import matmul_gflops, qwen2_checkpoint
 
-from utils.engines import NativeEngine, SamplingParams
-from utils.data import Tokenizer
-from utils.decode import _linear
-from utils.model import flops_per_token, iter_checkpoint, read_config
+from engines.decode import SamplingParams, _linear
+from engines.native import NativeEngine
+from models.decoder import flops_per_token
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=None)

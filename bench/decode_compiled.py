@@ -1,5 +1,5 @@
 """The decode step under torch.compile over a static KV cache (gpt-fast's pattern) against the
-native engine's eager step (utils/decode.py FusedDecoder.decode: oneDNN-packed weights, the
+native engine's eager step (engines/decode.py FusedDecoder.decode: oneDNN-packed weights, the
 cache's filled length only), on the same random Qwen2, batch 64, 12-token prompts, 64 new tokens.
 
     python bench/decode_compiled.py                        # 19M params (hidden 512, 8 layers)
@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from common import matmul_gflops, print_table, qwen2_checkpoint, sync
 
-from utils.data import Tokenizer
-from utils.engines import NativeEngine
-from utils.model import KVCache, flops_per_token, iter_checkpoint, read_config
+from engines.native import NativeEngine
+from models.decoder import KVCache, flops_per_token
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hidden", type=int, default=512)

@@ -11,10 +11,12 @@ import time
 import torch
 from common import qwen2_checkpoint
 
-from utils.engines import NativeEngine, SamplingParams, VLLMEngine
+from engines.decode import SamplingParams
+from engines.native import NativeEngine
+from engines.vllm_engine import VLLMEngine
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
 from utils import dist
-from utils.data import Tokenizer
-from utils.model import iter_checkpoint, read_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=None)

@@ -27,12 +27,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from utils.engines import NativeEngine, SamplingParams  # noqa: E402
-from utils.memory import trainer_gib  # noqa: E402
-from utils.data import Tokenizer  # noqa: E402
-from utils.model import (ModelConfig, build, flops_per_token, iter_checkpoint, read_config,  # noqa: E402
-                         save_model)
-from utils.tiny import make_tokenizer  # noqa: E402
+from assets.make import make_tokenizer
+from engines.decode import SamplingParams
+from engines.native import NativeEngine
+from memory import trainer_gib
+from models.config import ModelConfig
+from models.decoder import flops_per_token
+from models.hf import build, iter_checkpoint, read_config, save_model
+from models.tokenizer import Tokenizer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cpu-smoke", action="store_true")
@@ -51,8 +53,8 @@ args = ap.parse_args()
 def vllm_memory(path: str):
     """In a process of its own: device memory in use with a vLLM engine awake, then asleep (level 2),
     and the seconds of one weight update (wake + inproc transfer)."""
+    from engines.vllm_engine import VLLMEngine
     from utils import dist
-    from utils.engines import VLLMEngine
 
     dist.init(timeout_s=300)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,7 +165,7 @@ if "steps" in args.parts:
     print(f"| {'peak memory GiB (GPU; RSS on CPU)':<34} | {peak:12.2f} |")
     said = trainer_gib(p.stdout)
     added = max(r["perf/peak_mem_added_gib"] for r in rows)
-    print(f"| {'memory plan GiB (utils/memory.py)':<34} | {said:12.2f} |")
+    print(f"| {'memory plan GiB (memory.py)':<34} | {said:12.2f} |")
     print(f"| {'measured GiB over start-up':<34} | {added:12.2f} |")
 
     # --compile (issue 20): the same steps with each decoder block under torch.compile

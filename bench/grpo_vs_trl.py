@@ -33,7 +33,8 @@ from common import matmul_gflops, print_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from utils.model import flops_per_token, read_config  # noqa: E402
+from models.decoder import flops_per_token
+from models.hf import read_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl/bin/python"))

@@ -3,7 +3,7 @@ held-out problems: its score (k verdicts at temperature 1.0, averaged) > 0 read 
 
     .venv/bin/python bench/judge_agreement.py                 # assets/judge-tiny, k = 8 (~1 min)
 
-Rows: (a) each eval problem's right answer and one wrong sum (utils.data.wrong_answer), half
+Rows: (a) each eval problem's right answer and one wrong sum (tasks.data.wrong_answer), half
 and half; (a') the mix the tiny judge is trained on (near misses, extra digits, trailing junk),
 half right; (b) what the policy assets/arith-tiny writes on the eval split (temperature 1.0, 8
 new tokens), right or wrong as it comes. "on right" / "on wrong": agreement among the
@@ -16,12 +16,14 @@ import time
 import common  # noqa: F401 (puts the repo on sys.path)
 import torch
 
+from assets.make import judge_candidate
+from engines.decode import SamplingParams
+from engines.native import NativeEngine
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
 from roles.judge import make_judge
-from roles.reward import accuracy
-from utils.data import Tokenizer, arith_rows, wrong_answer
-from utils.engines import NativeEngine, SamplingParams
-from utils.model import iter_checkpoint, read_config
-from utils.tiny import judge_candidate
+from tasks.data import arith_rows, wrong_answer
+from tasks.rewards import accuracy
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--judge", default="assets/judge-tiny")

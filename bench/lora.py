@@ -88,8 +88,8 @@ def cost(model: str, rank: int, engine: str = "native") -> dict:
 
 
 def cost_table(rank: int, vllm: bool):
-    from utils.model import read_config
-    from utils.tiny import random_checkpoint
+    from assets.make import random_checkpoint
+    from models.hf import read_config
 
     runs = [(0, "native"), (rank, "native")]
     if vllm:  # full and LoRA on vLLM, merged and as adapters

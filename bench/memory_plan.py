@@ -1,4 +1,4 @@
-"""The launch recipes of docs/scale.md with the memory plan beside each (utils/memory.py): Qwen2.5 and
+"""The launch recipes of docs/scale.md with the memory plan beside each (memory.py): Qwen2.5 and
 Qwen3 from 0.5B to 8B on 1, 8 and 16 GPUs of 80 GiB, vLLM as the engine, bf16. The shapes are
 those of the published config.json files (their parameter counts are printed to check them).
 An estimate, not a measurement: no GPU has run these here.
@@ -9,8 +9,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.memory import GIB, Workload, estimate  # noqa: E402
-from utils.model import ModelConfig  # noqa: E402
+from memory import GIB, Workload, estimate
+from models.config import ModelConfig
 
 DEVICE = 80 * GIB
 QWEN = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6)

@@ -16,7 +16,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from utils.tiny import random_reward_model  # noqa: E402
+from assets.make import random_reward_model
 
 PHASES = [("generate", "perf/generate_s"), ("reference", "perf/reference_s"),
           ("reward model", "perf/reward_model_s"), ("critic values", "perf/values_s"),

@@ -6,15 +6,15 @@
 
 One process, the bench's shape (8 prompts x 8 samples x 64 new tokens, vocabulary 1024, EOS off
 so every row is full length): the native engine's `generate`, then one training step's compute
-on the same rows, the trained model's completion log-probs (utils.model.completion_logprobs),
+on the same rows, the trained model's completion log-probs (models.decoder.completion_logprobs),
 a policy-gradient loss and its backward, without FSDP (on one rank FSDP2 adds no collective).
 Each phase runs once to warm up, then once under the profiler; the table lists the operators with
 the most self CPU time and their share of the phase's wall time. The same script runs on an older
 commit (it uses only APIs that have not changed) to give a before/after pair.
 
 With --micro-batch M, the training step runs again on the same rows cut to random lengths 1..T
-(as when completions end at EOS), in micro-batches of M rows: sliced in order (utils.data
-micro_batches) against utils.data.forward_batches (rows by length, each micro-batch cut to the
+(as when completions end at EOS), in micro-batches of M rows: sliced in order (tasks.data
+micro_batches) against tasks.data.forward_batches (rows by length, each micro-batch cut to the
 columns its rows use); alternating rounds, medians.
 """
 import argparse
@@ -26,9 +26,12 @@ import torch
 from common import matmul_gflops, qwen2_checkpoint
 from torch.profiler import ProfilerActivity, profile
 
-from utils.data import Tokenizer, forward_batches, make_batch, micro_batches
-from utils.engines import NativeEngine, SamplingParams
-from utils.model import completion_logprobs, flops_per_token, iter_checkpoint, load_model, read_config
+from engines.decode import SamplingParams
+from engines.native import NativeEngine
+from models.decoder import completion_logprobs, flops_per_token
+from models.hf import iter_checkpoint, load_model, read_config
+from models.tokenizer import Tokenizer
+from tasks.data import forward_batches, make_batch, micro_batches
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hidden", type=int, default=512)

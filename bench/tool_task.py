@@ -1,5 +1,5 @@
 """Does RL teach the tiny model to use its tool? GRPO on builtin:multiply (products of 2-3-digit
-numbers, which a 1M-parameter model cannot compute) with the calculator `utils.env:multiply`,
+numbers, which a 1M-parameter model cannot compute) with the calculator `tasks.env:multiply`,
 from assets/tool-tiny (warm-started to call it on ~1 in 5 samples), on 2 CPU ranks, for several
 seeds; and the control: the same run without --tools (a call then runs nothing, the model must
 answer in its head). Prints held-out accuracy at the start and the end, the tool-call rate of
@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 FLAGS = ["--model", "assets/tool-tiny", "--dataset", "builtin:multiply", "--max-prompt-tokens", "32",
          "--max-new-tokens", "96", "--prompts-per-step", "16", "--num-generations", "8", "--eval-every", "20",
          "--save-every", "0", "--no-save-final"]
-TOOLS = ["--tools", "utils.env:multiply"]
+TOOLS = ["--tools", "tasks.env:multiply"]
 
 
 def learning(seeds, steps: int, control: bool) -> list[dict]:
@@ -74,13 +74,15 @@ def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tu
     best round's requests, turn by turn."""
     import torch
 
-    from utils.data import Tokenizer, multiply_rows
-    from utils.engines import NativeEngine, SamplingParams
-    from utils.episodes import EnvArgs, Episodes, tokenize
-    from utils.model import iter_checkpoint, read_config
+    from engines.decode import SamplingParams
+    from engines.episodes import EnvArgs, Episodes, tokenize
+    from engines.native import NativeEngine
+    from models.hf import iter_checkpoint, read_config
+    from models.tokenizer import Tokenizer
+    from tasks.data import multiply_rows
 
     tok = Tokenizer(model)
-    cfg = EnvArgs(tools=("utils.env:multiply",))
+    cfg = EnvArgs(tools=("tasks.env:multiply",))
     cfg.check()
     rows = tokenize(multiply_rows("eval")[:prompts], tok, cfg, 32)[0]
     engine = NativeEngine(read_config(model), tok)

@@ -53,7 +53,8 @@ def text_twin(path: str) -> str:
     """builtin:squares' train questions as text prompts of the same token counts as the image
     prompts (the image's tokens replaced by 'x ' tokens, as many as fit), written to the jsonl `path`."""
     sys.path.insert(0, ROOT)
-    from utils.data import Tokenizer, load_rows, tokenize_rows
+    from models.tokenizer import Tokenizer
+    from tasks.data import load_rows, tokenize_rows
 
     tok = Tokenizer(os.path.join(ROOT, "assets/vl-tiny"))
     with open(path, "w") as f:
@@ -71,8 +72,8 @@ def picture(final: str, path: str, n: int = 12) -> str:
     """The first n held-out questions, answered greedily by assets/vl-tiny and by the run's final
     model (utils/plot.py plot_answers)."""
     sys.path.insert(0, ROOT)
+    from assets.make import vl_answers
     from utils.plot import plot_answers
-    from utils.tiny import vl_answers
 
     answers = {}
     for name, model in (("before", os.path.join(ROOT, "assets/vl-tiny")), ("after", final)):

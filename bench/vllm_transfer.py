@@ -26,11 +26,11 @@ import torch
 from common import peak_rss_mib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from assets.make import random_checkpoint
+from engines.vllm_engine import VLLMEngine
+from models.hf import iter_checkpoint
+from models.tokenizer import Tokenizer
 from utils import dist  # noqa: E402
-from utils.data import Tokenizer  # noqa: E402
-from utils.engines import VLLMEngine  # noqa: E402
-from utils.model import iter_checkpoint  # noqa: E402
-from utils.tiny import random_checkpoint  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=3)
@@ -133,9 +133,7 @@ def main():
     peer.wait()
     raw = med(raw)
 
-    from utils.vllm_transfer import TrainerEnd
-
-    from utils.vllm_transfer import Announced
+    from engines.vllm_transfer import Announced, TrainerEnd
 
     alone = {}  # the backend between two plain processes: trainer 0's engine, the worker's receive
     for mb in a.buckets_mb:

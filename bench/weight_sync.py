@@ -19,13 +19,13 @@ import torch.distributed as tdist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import placement  # noqa: E402
+from assets.make import random_checkpoint
+from engines.native import NativeEngine
+from models.hf import read_config
+from models.tokenizer import Tokenizer
 from roles.actor import Actor  # noqa: E402
 from roles.rollout import RemoteEngine, serve  # noqa: E402
 from utils import dist  # noqa: E402
-from utils.data import Tokenizer  # noqa: E402
-from utils.engines import NativeEngine  # noqa: E402
-from utils.model import read_config  # noqa: E402
-from utils.tiny import random_checkpoint  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=3)

@@ -4,11 +4,14 @@ from functools import partial
 
 import torch
 
-from utils.data import forward_batches, scatter_rows, take_rows
-from utils.dist import full_tensors, load_sharded, reduce, weight_specs
-from utils.lora import is_adapter, merged
-from utils.lora import scales as lora_scales
-from utils.model import completion_logprobs
+from models import lora
+from models.decoder import completion_logprobs
+from models.hf import save_model
+from models.lora import is_adapter, merged
+from models.lora import scales as lora_scales
+from models.parallelize import load_sharded
+from tasks.data import forward_batches, scatter_rows, take_rows
+from utils.dist import full_tensors, reduce, weight_specs
 
 
 def lr_factor(warmup_steps: int, decay_steps: int, step: int) -> float:
@@ -43,7 +46,7 @@ class Actor:
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
         micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
         linearly to 0 over this many optimizer steps (0: constant after the warm-up); compile:
-        torch.compile each decoder block (utils.dist.shard); lora: utils.lora.LoraArgs (a rank
+        torch.compile each decoder block (models.parallelize.shard); lora: models.lora.LoraArgs (a rank
         above 0: only adapters train, started from `seed`; engines get the merged weights);
         freeze_vision: a Qwen2-VL's vision tower takes no gradient and has no optimizer state."""
         self.model = load_sharded(path, mesh, device, param_dtype, compile=compile, lora=lora, seed=seed)
@@ -104,7 +107,7 @@ class Actor:
         return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
 
     def train_step(self, batch, loss_fn, norm: float, skip_zero_adv_rows: bool = False):
-        """One optimizer step on this rank's share of a (mini)batch (utils.data.Batch).
+        """One optimizer step on this rank's share of a (mini)batch (tasks.data.Batch).
 
         For each micro-batch: the trainer's log-probs of the completion tokens, logp [n, T], then
         `loss, sums = loss_fn(logp, micro_batch, norm)` and its backward. Gradients are reduced
@@ -159,3 +162,15 @@ class Actor:
         K = max(1, int(most))
         order = torch.argsort((~nonzero).to(torch.uint8), stable=True)  # nonzero rows first
         return take_rows(batch, order[:K])  # K rows
+
+
+def export_hf(actor, path: str, rank: int, tokenizer_dir: str):
+    """A HF checkpoint of the policy (safetensors, config, tokenizer): every rank joins the
+    per-tensor gathers, rank 0 writes."""
+
+    if actor.lora:  # a PEFT adapter directory, or the merged model (--merge-on-export)
+
+        return lora.export(actor, path, rank, tokenizer_dir, actor.lora, tokenizer_dir)
+    weights = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
+    if rank == 0:
+        save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)

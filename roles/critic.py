@@ -6,11 +6,11 @@ from functools import partial
 
 import torch
 
+from models.decoder import completion_values
+from models.parallelize import load_sharded
+from rl import algos
 from roles.actor import lr_factor, optimizer_step
-from utils import algos
-from utils.data import forward_batches, scatter_rows
-from utils.dist import load_sharded
-from utils.model import completion_values
+from tasks.data import forward_batches, scatter_rows
 
 
 class Critic:
@@ -32,7 +32,7 @@ class Critic:
 
     @torch.no_grad()
     def values(self, batch):
-        """V [N, T]: the value of the state before each completion token (utils.data.Batch)."""
+        """V [N, T]: the value of the state before each completion token (tasks.data.Batch)."""
         parts = [(rows, completion_values(self.model, mb))
                  for rows, mb in forward_batches(batch, self.micro_batch_size)]
         return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]

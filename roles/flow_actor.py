@@ -11,8 +11,8 @@ from functools import partial
 
 import torch
 
+from models.flow_dit import load_flow, save_flow
 from roles.actor import lr_factor, optimizer_step
-from utils.flow_model import load_flow, save_flow
 
 
 class FlowActor:
@@ -70,7 +70,7 @@ class FlowActor:
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
     def export(self, path: str, rank: int):
-        """The policy as a loadable flow checkpoint (utils/flow_model.py `load_flow`): every rank
+        """The policy as a loadable flow checkpoint (models/flow_dit.py `load_flow`): every rank
         gathers, rank 0 writes."""
         weights = {name: t.cpu().contiguous() for name, t in self.full_weights()}
         if rank == 0:

@@ -7,11 +7,11 @@ is parsed (`parse_verdict`): yes +1, no -1, a reply that says neither 0 (unparse
 Each completion is judged k times (k samples of the judge, temperature > 0) and its score is
 the mean of the k verdicts, in [-1, 1]: G-Core's script uses k = 8 at temperature 0.7.
 
-The judge is a generation engine (utils/engines.py) with weights of its own. Colocated with
+The judge is a generation engine (engines/native.py) with weights of its own. Colocated with
 training, it loads before judging and releases after (as the policy's engine does), keeping
 a CPU copy of its weights. A failure (generate raising, or a call past `timeout_s`) makes the
 scores of that call NaN: the trainer counts them in reward/failures; it never stops silently.
-`python -m utils.tiny --judge` builds assets/judge-tiny, a tiny judge of the built-in task.
+`python -m assets.make --judge` builds assets/judge-tiny, a tiny judge of the built-in task.
 
 With --placement partial the judge ranks judge the chunks their samplers stream to them
 (rollouts.py `Streamed`, both halves).
@@ -26,15 +26,16 @@ from typing import ClassVar
 
 import torch
 
-from utils.data import Tokenizer, dataset_columns, per_sample
-from utils.engines import SamplingParams, make_engine
-from utils import model
+from engines.decode import SamplingParams
+from engines.make import make_engine
+from models.hf import check_checkpoint, check_model_dir, iter_checkpoint, local_dir, read_config
+from models.tokenizer import Tokenizer
+from tasks.data import dataset_columns, per_sample
 from utils.errors import UserError, check_rules
-from utils.lora import check_model_dir
 from utils.sandbox import TimeLimit, time_limit
 
 MARKER = "Is the answer correct (Yes/No)?"
-# what assets/judge-tiny was trained on (utils.tiny.judge_checkpoint); a completion comes after
+# what assets/judge-tiny was trained on (assets.make.judge_checkpoint); a completion comes after
 # "Answer:" as the policy wrote it
 DEFAULT_TEMPLATE = ("You are a math teacher. Grade the answer.\nProblem: {prompt}\nAnswer: {completion}\n"
                     "Verification: " + MARKER)
@@ -71,7 +72,7 @@ class JudgeArgs:
         check_rules(self, [
             ("judge_model", (self.judge_model is None) == ("judge" not in args.reward.rewards),
              "a judge and the `judge` term of --rewards go together: give both, or neither"),
-            ("judge_model", self.judge_model is not None or args.layout.placement != "partial",
+            ("judge_model", self.judge_model is not None or args.placement.placement != "partial",
              "--placement partial splits the policy's ranks between a sampler and a judge: add a "
              "--judge-model and the `judge` term of --rewards, or use another --placement"),
             ("judge_samples", self.judge_samples >= 1, "use 1 or more"),
@@ -80,7 +81,7 @@ class JudgeArgs:
             ("judge_max_new_tokens", self.judge_max_new_tokens >= 1, "use 1 or more"),
             ("judge_chunk", self.judge_chunk >= 1, "use 1 or more prompts")])
         if self.judge_model:
-            self.judge_model = model.local_dir(self.judge_model, "--judge-model")
+            self.judge_model = local_dir(self.judge_model, "--judge-model")
             check(self.judge_model, self.judge_template)
 
 
@@ -189,9 +190,9 @@ def parse_verdict(text: str) -> float | None:
 class Judge:
     def __init__(self, engine, tokenizer, weights: dict, template: str, samples: int, temperature: float,
                  max_new_tokens: int, timeout_s: float, max_len: int = 2048):
-        """engine: a utils.engines engine for the judge checkpoint; tokenizer: its utils.data.Tokenizer;
-        weights: its CPU tensors by HF name (kept: `load` puts them into the engine again);
-        max_len: the engine's context (prompt + max_new_tokens); timeout_s: 0 = none."""
+        """engine: an engine (engines/base.py) for the judge checkpoint; tokenizer: its
+        models.tokenizer.Tokenizer; weights: its CPU tensors by HF name (kept: `load` puts them into the
+        engine again); max_len: the engine's context (prompt + max_new_tokens); timeout_s: 0 = none."""
         self.engine, self.tok, self.weights, self.template = engine, tokenizer, weights, template
         self.params = SamplingParams(samples, temperature, max_new_tokens=max_new_tokens)
         self.timeout_s, self.max_len = timeout_s, max_len
@@ -245,8 +246,8 @@ def make_judge(path: str, kind: str, device, dtype, max_model_len: int, seed: in
     """The judge of the checkpoint at `path` (--judge-model) on an engine of `kind` (--engine),
     its weights not loaded yet (`Judge.load`). template: as --judge-template (read_template)."""
     check(path, template)
-    cfg, tok = model.read_config(path), Tokenizer(path)
-    weights = dict(model.iter_checkpoint(path))
+    cfg, tok = read_config(path), Tokenizer(path)
+    weights = dict(iter_checkpoint(path))
     engine = make_engine(kind, path, cfg, tok, device, dtype, max_model_len, seed)
     return Judge(engine, tok, weights, read_template(template), samples, temperature, max_new_tokens,
                  timeout_s, max_model_len)
@@ -256,10 +257,10 @@ def for_run(args, plan, rows, device, dtype, max_len: int):
     """--judge-model's judge on every trainer rank (partial: the judge ranks only), its template
     checked against the dataset's columns; None without one."""
     cfg = args.judge
-    if not cfg.judge_model or (plan.mode == "partial" and plan.sampler):
+    if not cfg.judge_model or (plan.mode == "partial" and plan.is_sampler):
         return None
     judge_len = max_len + 512 + cfg.judge_max_new_tokens  # the template's own words: under 512 tokens
-    judge = make_judge(cfg.judge_model, args.engine, device, dtype, judge_len, args.run.seed,
+    judge = make_judge(cfg.judge_model, args.sampling.engine, device, dtype, judge_len, args.run_args.seed,
                        cfg.judge_template, cfg.judge_samples, cfg.judge_temperature, cfg.judge_max_new_tokens,
                        args.reward.reward_timeout_s)
     check_template(judge.template, [*dataset_columns(rows[:1], 1), "finish_reason"])
@@ -287,9 +288,9 @@ def check(path: str, template: str | None):
     """--judge-model and --judge-template, before any process group: a readable causal model."""
     check_model_dir(path, "--judge-model")
     try:
-        cfg = model.read_config(path)
+        cfg = read_config(path)
         Tokenizer(path)
-        model.check_checkpoint(path)
+        check_checkpoint(path)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"--judge-model: {e}") from None
     if cfg.scores:

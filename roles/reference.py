@@ -3,9 +3,9 @@ The distillation teacher (roles/teacher.py) is this class on another checkpoint.
 import torch
 from torch.distributed.tensor import DTensor
 
-from utils.data import forward_batches, scatter_rows
-from utils.dist import load_sharded
-from utils.model import completion_logprobs
+from models.decoder import completion_logprobs
+from models.parallelize import load_sharded
+from tasks.data import forward_batches, scatter_rows
 
 
 class Reference:

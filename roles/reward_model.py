@@ -8,11 +8,12 @@ It reads the token ids the policy generated, so it must share the policy's token
 
 import torch
 
-from utils.data import check_same_tokenizer, forward_batches
-from utils.dist import load_sharded
+from models.decoder import sequence_scores
+from models.hf import check_model_dir, read_config
+from models.parallelize import load_sharded
+from models.tokenizer import check_same_tokenizer
+from tasks.data import forward_batches
 from utils.errors import UserError
-from utils.lora import check_model_dir
-from utils.model import read_config, sequence_scores
 
 
 def check(path: str, policy: str):
@@ -41,8 +42,8 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, batch):
-        """[N] (on the CPU): the score of each prompt + completion of a utils.data.Batch, its
-        micro-batches cut to the columns their rows use (utils.data.forward_batches)."""
+        """[N] (on the CPU): the score of each prompt + completion of a tasks.data.Batch, its
+        micro-batches cut to the columns their rows use (tasks.data.forward_batches)."""
         scores = torch.empty(len(batch["input_ids"]))  # [N]
         for rows, mb in forward_batches(batch, self.micro_batch_size):
             scores[rows] = sequence_scores(self.model, mb).float().cpu()

@@ -1,11 +1,11 @@
 """The rollout role: ranks that generate with the policy for other ranks.
 
 disaggregate: ranks that only generate. A trainer reaches its rollout rank through
-`RemoteEngine`, which has the same methods as a local engine (utils/engines.py), and the
+`RemoteEngine`, which has the same methods as a local engine (engines/native.py), and the
 rollout rank runs `serve`. They speak in the four messages below, pickled over point-to-point
 sends (utils/dist.py); the weights themselves never travel as messages but as a bucketed
 broadcast from trainer 0: over the weight group into a native engine, or through vLLM's
-weight-transfer layer straight into a vLLM engine's worker (utils/vllm_transfer.py).
+weight-transfer layer straight into a vLLM engine's worker (engines/vllm_transfer.py).
 `agree_on_transfer` settles, once a layout, how the rollout ranks take weights.
 """
 import signal
@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from utils import dist
-from utils.errors import newest_checkpoint
-from utils.engines import SamplingParams, Samples
-
+from engines.base import Samples
+from engines.decode import SamplingParams
+from utils import dist, errors
 
 # ---- the messages a trainer sends its rollout rank (every trainer of a rollout rank sends the same sequence)
 
@@ -81,7 +80,7 @@ class RemoteEngine:
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
-                            f"(see its output above). The trainers stop here. {newest_checkpoint()} "
+                            f"(see its output above). The trainers stop here. {errors.newest_checkpoint()} "
                             f"({e})")
 
     def _send(self, msg, ticket=None):
@@ -261,7 +260,7 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
     trainer 0's torch broadcast over the weight group; a vLLM engine (its core in a child
     process) takes it through vLLM's weight-transfer layer, straight into its worker: trainer 0
     opens that group (gloo on CPU, vLLM's nccl on GPU), sends its rendezvous to the rollout
-    ranks, and each rollout rank's worker joins as rank 1 + its index (utils/vllm_transfer.py)."""
+    ranks, and each rollout rank's worker joins as rank 1 + its index (engines/vllm_transfer.py)."""
     try:
         # every rank learns what the rollout ranks' engines take: LoRA's adapters alone (a native
         # engine merges them into the base it is sent once; a vLLM one serving adapters has its own base)
@@ -276,7 +275,7 @@ def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
         if plan.role == "rollout":  # trainer 0 stopped (on a mistake it reports, or it died): nothing to add
             leave(engine, f"rollout rank {plan.rank}: trainer 0 went away before the first weights; stopping")
         raise RuntimeError(f"the rollout ranks stopped answering while the weight transfer was set up: one "
-                           f"died or hung (see its output above). {newest_checkpoint()} "
+                           f"died or hung (see its output above). {errors.newest_checkpoint()} "
                            f"({str(e)[:200]})") from e
 
 
@@ -287,9 +286,9 @@ def _open_transfer(plan, engine, specs, bucket_bytes: int):
         return
     info = [None]
     if plan.rank == 0:
-        from utils.vllm_transfer import TrainerEnd
+        from engines.vllm_transfer import TrainerEnd  # defers vllm
 
-        end = TrainerEnd(said[0], specs, plan.layout.rollout, bucket_bytes, plan.timeout_s)
+        end = TrainerEnd(said[0], specs, plan.layout.rollout_ranks, bucket_bytes, plan.timeout_s)
         info = [end.worker_info(0)]
     torch.distributed.broadcast_object_list(info, src=0, group=plan.weight_group)
     if plan.rank == 0:

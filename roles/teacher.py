@@ -8,13 +8,15 @@ steps (`Reference.release`: a host copy made once, the storages freed), so the e
 and the training phase never hold it; on CPU, where device memory is host memory, it stays.
 
 One call in the step loop, after the batch is made (`Teacher.score`: batch["teacher_logp"]);
-nothing when --teacher-model is not given. The signal itself is the algorithm's (utils/algos.py
+nothing when --teacher-model is not given. The signal itself is the algorithm's (rl/algos.py
 `distill_advantage`): train_grpo.py adds it to the advantage, train_ppo.py to the per-token reward.
 """
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from models.hf import checked_model
+from models.tokenizer import check_same_tokenizer
 from roles.reference import Reference
 from utils.errors import check_rules
 
@@ -36,8 +38,6 @@ class DistillArgs:
 
     def check_model(self, model: str):
         """The teacher's checkpoint (a hub id becomes its snapshot), and its tokenizer the policy's."""
-        from run import checked_model
-        from utils.data import check_same_tokenizer
 
         if self.teacher_model:
             self.teacher_model = checked_model(self.teacher_model, "--teacher-model")

@@ -14,7 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # 1-rank memory run: 22 s alone, 75 s beside another test on 2 threads)
     os.environ.setdefault("RL_THREADS", "1")
 
-from utils.tiny import make_tokenizer  # noqa: E402
+from assets.make import make_tokenizer
 
 
 def pytest_configure(config):

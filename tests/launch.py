@@ -177,7 +177,7 @@ def serve(path, kind):
     """The server: warm imports, then one forked job per connection, until stdin closes."""
     import importlib
 
-    for name in WARM + (["vllm", "utils.vllm_transfer", "vllm.lora.request"] if kind == "vllm" else []):
+    for name in WARM + (["vllm", "engines.vllm_transfer", "vllm.lora.request"] if kind == "vllm" else []):
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the jobs
     listener = socket.socket(socket.AF_UNIX)

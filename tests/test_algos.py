@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from utils import algos
+from models import decoder
+from rl import algos
 
 
 def test_group_advantages_match_a_loop():
@@ -106,7 +107,7 @@ def test_aggregate_matches_a_loop():
 
 def test_token_logprobs_match_a_loop():
     logits, tokens = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
-    got = algos.token_logprobs(logits, tokens, temperature=0.5)
+    got = decoder.token_logprobs(logits, tokens, temperature=0.5)
     for b in range(2):
         for t in range(3):
             z = [x / 0.5 for x in logits[b, t].tolist()]
@@ -124,17 +125,17 @@ def test_head_logprobs_in_chunks_are_the_whole_batchs_with_their_gradients():
     h = torch.randn(5, 4, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
     tokens, g = torch.randint(0, 11, (5, 4)), torch.randn(5, 4, dtype=torch.float64)
-    whole = algos.token_logprobs(torch.nn.functional.linear(h, w), tokens, temperature=0.7)  # [5, 4]
+    whole = decoder.token_logprobs(torch.nn.functional.linear(h, w), tokens, temperature=0.7)  # [5, 4]
     whole_grads = torch.autograd.grad((whole * g).sum(), (h, w))
     budget = 2 * 4 * 11 * 4  # two rows of fp32 logits
-    chunked = algos.head_logprobs(h, w, tokens, temperature=0.7, budget=budget)
+    chunked = decoder.head_logprobs(h, w, tokens, temperature=0.7, budget=budget)
     chunked_grads = torch.autograd.grad((chunked * g).sum(), (h, w))
     assert chunked.dtype == torch.float32 and whole.dtype == torch.float32
     assert torch.allclose(chunked, whole, atol=1e-6)
     for a, b in zip(chunked_grads, whole_grads):
         assert torch.allclose(a, b, rtol=0, atol=1e-5), (a - b).abs().max()
     # one chunk (the budget holds the batch): the very ops of the whole batch, the same bits
-    assert torch.equal(algos.head_logprobs(h, w, tokens, temperature=0.7), whole)
+    assert torch.equal(decoder.head_logprobs(h, w, tokens, temperature=0.7), whole)
 
 
 def test_the_learning_rate_warms_up_then_decays_linearly_to_zero():

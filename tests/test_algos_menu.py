@@ -1,4 +1,4 @@
-"""The algorithm menu's pure functions (utils/algos.py, "the algorithm menu") against plain-Python
+"""The algorithm menu's pure functions (rl/algos.py, "the algorithm menu") against plain-Python
 loops. Each loop walks one sequence at a time, over its own tokens only; the right padding of
 every [B, T] input holds garbage that must not leak into a sequence's result."""
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from utils import algos
+from rl import algos
 from utils.errors import UserError
 
 # mixed completion lengths in one batch: a full one, one of length 1, an empty one

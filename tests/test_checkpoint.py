@@ -7,15 +7,14 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from launch import start
+from safetensors.torch import load_file
 from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY, metrics
 
+from assets.make import random_checkpoint
 from utils import checkpoint
 from utils.logger import differences
-from utils.tiny import random_checkpoint
-
 
 FLAGS = [f for f in TINY if f not in ("--steps", "3")] + ["--steps", "10", "--save-every", "2"]
 

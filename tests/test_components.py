@@ -7,10 +7,10 @@ import tyro
 
 import rollouts
 from rebalance import Arrival, Rebalancer
+from rl import algos
+from rl.mismatch import Correction
 from train_grpo import Args
-from utils import algos
 from utils.logger import Timer
-from utils.mismatch import Correction
 
 
 def parse(*flags):
@@ -18,7 +18,7 @@ def parse(*flags):
 
 
 def plan(mode="colocate"):
-    return SimpleNamespace(mode=mode, dp=2, rank=0, sampler=True)
+    return SimpleNamespace(mode=mode, dp=2, rank=0, is_sampler=True)
 
 
 def chosen(args, mode="colocate"):
@@ -43,16 +43,18 @@ def test_the_rollout_is_the_placement_s_own_wrapped_by_the_flags():
 def test_flags_keep_their_names_and_land_in_their_component():
     args = parse("--judge-samples", "3", "--ds-oversampling", "2", "--mismatch", "tis", "--rollout-ranks",
                  "1", "--rebalance-gap", "30", "--run-dir", "x", "--model", "m", "--rewards", "format",
-                 "--overlong-buffer", "2")
-    assert (args.judge.judge_samples, args.ds.ds_oversampling, args.correction.mismatch) == (3, 2.0, "tis")
-    assert (args.layout.rollout_ranks, args.balance.rebalance_gap, args.run.run_dir) == (1, 30, "x")
+                 "--overlong-buffer", "2", "--temperature", "0.5", "--param-dtype", "bfloat16")
+    assert (args.judge.judge_samples, args.dynamic_sampling.ds_oversampling) == (3, 2.0)
+    assert (args.sampling.temperature, args.compute.param_dtype) == (0.5, "bfloat16")
+    assert (args.mismatch.mismatch, args.placement.rollout_ranks) == ("tis", 1)
+    assert (args.rebalance.rebalance_gap, args.run_args.run_dir) == (30, "x")
     assert (args.data.model, args.reward.rewards, args.overlong.overlong_buffer) == ("m", ("format",), 2)
 
 
 def test_components_off_do_nothing():
     batch = {"old_logp": torch.randn(2, 3), "loss_mask": torch.ones(2, 3)}
     before = {k: v.clone() for k, v in batch.items()}
-    correction = Correction(parse().correction, actor=None)  # off: it never calls the actor
+    correction = Correction(parse().mismatch, actor=None)  # off: it never calls the actor
     correction.apply(batch, Timer())
     assert batch.keys() == before.keys() and all(torch.equal(batch[k], before[k]) for k in batch)
     assert (correction.sums, correction.maxes, correction.metrics({}, {})) == ({}, {}, {})

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_fsdp import torchrun
+from assets.make import random_checkpoint
+from models.config import read_json
+from rl import algos
 from tests.helpers.runs import assert_same_by_norm
-from utils import algos
-from utils.data import read_json
-from utils.tiny import random_checkpoint
+from tests.test_fsdp import torchrun
 
 
 @pytest.fixture(scope="module")

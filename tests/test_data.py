@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from utils.data import (BUILTIN, Tokenizer, arith_rows, load_rows, prompt_seed, rank_slice, step_indices,
-                        tokenize_rows, train_tokenizer)
+from models.tokenizer import Tokenizer, train_tokenizer
+from tasks.data import BUILTIN, arith_rows, load_rows, prompt_seed, rank_slice, step_indices, tokenize_rows
 
 
 def test_builtin_task_is_deterministic_and_eval_is_held_out():

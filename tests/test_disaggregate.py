@@ -15,23 +15,23 @@ from test_fsdp import ROOT, torchrun
 from test_train_grpo import SEEDED, TINY, metrics, no_eval
 
 import placement
+from assets.make import random_checkpoint
 from tests.helpers.runs import differences_within, weights_apart
 from utils.dist import KeptBuffers, plan_buckets
-from utils.tiny import random_checkpoint
 
 
 def test_layout_says_what_fits():
     with pytest.raises(ValueError, match=r"fits: --rollout-ranks in \[1, 2\]"):
-        placement.Layout("disaggregate", 4, dp=1, rollout=3)
+        placement.Layout("disaggregate", 4, dp=1, rollout_ranks=3)
     with pytest.raises(ValueError, match=r"fits: --rollout-ranks in \[1\]"):
-        placement.Layout("disaggregate", 3, dp=1, rollout=2)  # 1 trainer cannot feed 2 rollout ranks
+        placement.Layout("disaggregate", 3, dp=1, rollout_ranks=2)  # 1 trainer cannot feed 2 rollout ranks
     with pytest.raises(ValueError, match="needs at least 2 ranks"):
-        placement.Layout("disaggregate", 1, dp=1, rollout=0)
+        placement.Layout("disaggregate", 1, dp=1, rollout_ranks=0)
     with pytest.raises(ValueError, match="applies to --placement disaggregate only"):
-        placement.Layout("colocate", 2, dp=1, rollout=1)
+        placement.Layout("colocate", 2, dp=1, rollout_ranks=1)
     with pytest.raises(ValueError, match="add --placement disaggregate"):
         placement.plan("colocate", 0, 2, torch.device("cpu"), 4, max_staleness=1)
-    placement.Layout("disaggregate", 6, dp=4, rollout=2)  # fits: 2 trainers per rollout rank
+    placement.Layout("disaggregate", 6, dp=4, rollout_ranks=2)  # fits: 2 trainers per rollout rank
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, 6, 64, 96, 1000, 10**9])

@@ -1,4 +1,4 @@
-"""On-policy distillation (roles/teacher.py, utils/algos.py distill_advantage): the signal against a
+"""On-policy distillation (roles/teacher.py, rl/algos.py distill_advantage): the signal against a
 plain loop, a 2-rank step equal to a 1-rank one with a frozen teacher, runs of both scripts that
 lower the reverse KL, resume after kill -9 (the teacher's errors: tests/test_errors.py)."""
 import os
@@ -11,8 +11,8 @@ from test_checkpoint import start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import metrics
 
+from rl.algos import distill_advantage
 from tests.helpers.runs import assert_same_first_step
-from utils.algos import distill_advantage
 
 TEACHER = "assets/arith-teacher"
 SHORT = ["--prompts-per-step", "8", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "0",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_fsdp import torchrun
 
-from utils import algos
-from utils.data import PromptStream, step_indices
+from rl import algos
+from tasks.data import PromptStream, step_indices
 from tests.helpers.runs import differences_within
 from utils.logger import differences, read_metrics
 

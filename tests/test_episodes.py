@@ -1,4 +1,4 @@
-"""Multi-turn episodes (utils/episodes.py) and tools (utils/env.py), in process: the template
+"""Multi-turn episodes (engines/episodes.py) and tools (tasks/env.py), in process: the template
 delta against the whole chat, budgets, tool errors, the loss mask, and the engine's log-probs
 against the trainer's across turns."""
 import json
@@ -7,12 +7,15 @@ import os
 import pytest
 import torch
 
-from utils.data import Tokenizer, make_batch, multiply_rows, per_sample
-from utils.engines import NativeEngine, Samples, SamplingParams
-from utils.env import ToolEnv, ToolWorker, multiply, parse_tool_calls, schema
-from utils.episodes import EnvArgs, Episodes, check_template, metrics, sums, tokenize
+from assets.make import TOOL_TEMPLATE, tool_call_text, tool_tokenizer
+from engines.base import Samples
+from engines.decode import SamplingParams
+from engines.episodes import EnvArgs, Episodes, check_template, metrics, sums, tokenize
+from engines.native import NativeEngine
+from models.tokenizer import Tokenizer
+from tasks.data import make_batch, multiply_rows, per_sample
+from tasks.env import ToolEnv, ToolWorker, multiply, parse_tool_calls, schema
 from utils.errors import UserError
-from utils.tiny import TOOL_TEMPLATE, tool_call_text, tool_tokenizer
 
 # Written after Qwen2.5's chat template (tools in a system block, tool replies grouped in a user
 # turn as <tool_response>s, each turn closed by <|im_end|> and a newline the model never emits)
@@ -88,7 +91,7 @@ class Scripted:
         pass
 
 
-def episodes(tok, turns, tools=("utils.env:multiply",), rows=None, max_new_tokens=200, **flags):
+def episodes(tok, turns, tools=("tasks.env:multiply",), rows=None, max_new_tokens=200, **flags):
     cfg = EnvArgs(tools=tools, **flags)
     cfg.check()
     rows = rows or multiply_rows("eval")[:2]
@@ -238,8 +241,9 @@ def test_the_tool_reply_is_cut_to_max_tool_tokens(tmp_path):
 def tool_model(tmp_path_factory):
     """A random decoder of the tiny shape with the tool user's tokenizer, and some multi-turn
     episodes sampled from it, half of them made to call the tool (the first turn's text forced)."""
-    from utils.model import ModelConfig, build, save_model
-    from utils.tiny import TINY
+    from assets.make import TINY
+    from models.config import ModelConfig
+    from models.hf import build, save_model
 
     path = tmp_path_factory.mktemp("tool-model")
     eos = tool_tokenizer(str(path))
@@ -256,8 +260,9 @@ def test_env_tokens_get_no_gradient_and_engine_logprobs_match_the_trainers_acros
     log-probs of every model token equal the engine's within 1e-5, turn 2 included; the loss's
     gradient with respect to the log-prob of every environment token is exactly 0, and junk in
     their old log-probs and advantages changes nothing."""
+    from models.decoder import completion_logprobs
+    from models.hf import iter_checkpoint, load_model
     from train_grpo import Args, loss_fn
-    from utils.model import completion_logprobs, load_model, iter_checkpoint
 
     path, cfg = tool_model
     tok = Tokenizer(path)
@@ -272,7 +277,7 @@ def test_env_tokens_get_no_gradient_and_engine_logprobs_match_the_trainers_acros
                 return Samples.cat([call_turn(tok, p, params.n) for p in prompts])
             return engine.generate(prompts, params, seeds)
 
-    cfg_env = EnvArgs(tools=("utils.env:multiply",), max_turn_tokens=12)
+    cfg_env = EnvArgs(tools=("tasks.env:multiply",), max_turn_tokens=12)
     cfg_env.check()
     rows = tokenize(multiply_rows("eval")[:2], tok, cfg_env, 256)[0]
     eps = Episodes(FirstTurnCalls(), cfg_env, tok, rows, 120)
@@ -315,12 +320,12 @@ def test_turns_prefilled_after_the_kept_cache_are_the_turns_prefilled_whole(monk
     kept from the turn before (Episodes sets keep_prefixes), and again with every turn prefilled
     whole: the same episodes, token for token, and log-probs within 1e-5 (the kept keys were made
     by the decode step: the same math in another order, tests/test_rollout.py)."""
-    from utils.decode import KeptPrefixes
-    from utils.model import iter_checkpoint, read_config
+    from engines.decode import KeptPrefixes
+    from models.hf import iter_checkpoint, read_config
 
     model = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tool-tiny")
     tok = Tokenizer(model)
-    cfg = EnvArgs(tools=("utils.env:multiply",))
+    cfg = EnvArgs(tools=("tasks.env:multiply",))
     cfg.check()
     rows = tokenize(multiply_rows("eval")[:8], tok, cfg, 32)[0]
     seeds = list(range(len(rows)))

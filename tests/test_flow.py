@@ -1,11 +1,12 @@
-"""utils/flow.py (Flow-GRPO's sampler, log-probs and loss) and utils/image_rewards.py against
+"""rl/flow.py (Flow-GRPO's sampler, log-probs and loss) and tasks/image_rewards.py against
 hand-written formulas and plain loops, with a fixed linear stand-in for the velocity model."""
 import math
 
 import pytest
 import torch
 
-from utils import flow, image_rewards
+from rl import flow
+from tasks import image_rewards
 
 B, C, H, W, STEPS = 3, 2, 4, 4, 6
 

@@ -1,4 +1,4 @@
-"""The tiny flow model (utils/flow_model.py) and its image task (utils/shapes.py): shapes, the
+"""The tiny flow model (models/flow_dit.py) and its image task (tasks/shapes.py): shapes, the
 zero half embedding (a model pretrained on half 0 ignores the half until RL trains it), the
 checkpoint round trip, prompts, drawing, and that pretraining steps lower the loss."""
 import os
@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from utils.flow_model import FlowConfig, FlowModel, flow_loss, load_flow, read_flow_config, save_flow
-from utils.shapes import (COLOURS, HALVES, SHAPES, colour_fraction, draw, draw_batch, half_fraction,
+from assets.make import flow_pretrain
+from models.flow_dit import FlowConfig, FlowModel, flow_loss, load_flow, read_flow_config, save_flow
+from tasks.shapes import (COLOURS, HALVES, SHAPES, colour_fraction, draw, draw_batch, half_fraction,
                           parse_prompt, prompt_text, prompts)
-from utils.tiny import flow_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET = os.path.join(ROOT, "assets", "flow-tiny")
@@ -74,7 +74,7 @@ def test_the_half_zero_row_gets_no_gradient():
     assert torch.equal(model.half_embed.weight.grad, torch.zeros_like(model.half_embed.weight))
 
 
-@pytest.mark.skipif(not os.path.isdir(ASSET), reason="no assets/flow-tiny (python -m utils.tiny --flow)")
+@pytest.mark.skipif(not os.path.isdir(ASSET), reason="no assets/flow-tiny (python -m assets.make --flow)")
 def test_the_shipped_asset_ignores_the_half():
     model, cfg = load_flow(ASSET)
     assert torch.equal(model.half_embed.weight, torch.zeros_like(model.half_embed.weight))

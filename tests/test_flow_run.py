@@ -1,6 +1,6 @@
 """train_flow_grpo.py end to end on CPU (gloo): the ratio is exactly 1 before the first update, a
 2-rank step is the 1-rank step, resume after kill -9 is exact, and a short run raises the reward.
-The model is the shipped assets/flow-tiny (utils/tiny.py --flow)."""
+The model is the shipped assets/flow-tiny (assets/make.py --flow)."""
 import os
 import sys
 

@@ -3,11 +3,11 @@ import os
 
 import pytest
 import torch
+from launch import ROOT, torchrun  # noqa: F401 (the suite's torchrun: tests import both from here)
 from safetensors.torch import load_file
 
-from launch import ROOT, torchrun  # noqa: F401 (the suite's torchrun: tests import both from here)
+from assets.make import random_checkpoint
 from tests.helpers.runs import assert_same_by_norm, assert_same_first_step
-from utils.tiny import random_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""--gen-tp K (utils/tp.py): colocated ranks generate tensor-parallel in groups of K while
+"""--gen-tp K (engines/tp.py): colocated ranks generate tensor-parallel in groups of K while
 training stays FSDP2 over all of them. The pair's engine gives the whole engine's tokens and
 log-probs (to float rounding: the row-parallel sums add the same products in another order), a
 run with it is the run without it, and what it does not fit is refused with what would."""
@@ -10,8 +10,8 @@ import torch
 import tyro
 from test_fsdp import ROOT, torchrun
 
-from utils.errors import UserError
 from tests.helpers.runs import differences_within
+from utils.errors import UserError
 from utils.logger import read_metrics
 
 # one held-out prompt: rank 1 has none to evaluate, and still takes part in its pair's generation

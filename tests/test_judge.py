@@ -8,17 +8,9 @@ import time
 import pytest
 import torch
 
-from roles.judge import (
-    DEFAULT_TEMPLATE,
-    MARKER,
-    Judge,
-    check_template,
-    make_judge,
-    parse_verdict,
-    read_template,
-    render,
-)
-from utils.data import Tokenizer
+from models.tokenizer import Tokenizer
+from roles.judge import (DEFAULT_TEMPLATE, MARKER, Judge, check_template, make_judge, parse_verdict,
+                         read_template, render)
 from utils.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,7 +68,7 @@ def judge():
 
 @pytest.mark.reordered
 def test_tiny_judge_scores(judge):
-    from utils.data import arith_rows
+    from tasks.data import arith_rows
 
     rows = arith_rows("eval")[:12]
     right = [r["answer"] for r in rows]

@@ -1,4 +1,4 @@
-"""LoRA (utils/lora.py): adapters on our model, only they train under FSDP2, the engine gets the
+"""LoRA (models/lora.py): adapters on our model, only they train under FSDP2, the engine gets the
 merged weights, the reference is the actor with adapters off, checkpoints hold the adapters and
 resume exactly, and the export loads in transformers + peft (or merged, in transformers alone)."""
 import importlib.util
@@ -13,10 +13,10 @@ from test_checkpoint import start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import TINY, metrics
 
+from assets.make import random_checkpoint
+from models.hf import load_model, read_config
+from models.lora import LoraArgs, add, count, initial, merged, scales
 from utils.errors import UserError
-from utils.lora import LoraArgs, add, count, initial, merged, scales
-from utils.model import load_model, read_config
-from utils.tiny import random_checkpoint
 
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "3e-3"]
 
@@ -53,10 +53,11 @@ def test_the_native_engine_keeps_its_base_and_merges_each_version_of_the_adapter
     """An engine given the base once and then adapters samples what an engine given the merged
     weights samples, bit for bit (both merge W + s B A with the same fp32 ops, then decode with the
     same ops), for two versions of the adapters; `release` keeps the base (not the merged copy)."""
-    from utils.data import Tokenizer
-    from utils.engines import NativeEngine, SamplingParams
-    from utils.lora import is_adapter
-    from utils.model import read_config
+    from engines.decode import SamplingParams
+    from engines.native import NativeEngine
+    from models.hf import read_config
+    from models.lora import is_adapter
+    from models.tokenizer import Tokenizer
 
     model = load_model("assets/arith-tiny")
     add(model, LoraArgs(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj,v_proj,up_proj,down_proj"))
@@ -156,6 +157,7 @@ def test_checkpoints_hold_the_adapters_and_merge_on_export_loads_in_plain_transf
     its last step exports the merged model, whose logits in transformers are the PEFT model's."""
     import peft
     import transformers
+
     from utils.checkpoint import SafeReader
 
     run, flags = lora_run

@@ -1,4 +1,4 @@
-"""The memory plan (utils/memory.py) against what runs measure on CPU.
+"""The memory plan (memory.py) against what runs measure on CPU.
 
 A run's `perf/peak_mem_added_gib` is its peak RSS minus the peak before the models loaded. That
 also counts what the first steps load lazily (torch.distributed's FSDP and DTensor code, ~0.1
@@ -8,12 +8,12 @@ freed heap memory for reuse, so the RSS peak would measure the allocator's histo
 the live tensors; MALLOC_MMAP_THRESHOLD_ makes every allocation over 64 KiB its own mapping,
 returned when freed."""
 import pytest
-
 from conftest import hf_checkpoint
 from test_fsdp import torchrun
 from test_train_grpo import metrics
-from utils.memory import GIB, Need, Workload, estimate, trainer_gib
-from utils.model import ModelConfig
+
+from memory import GIB, Need, Workload, estimate, trainer_gib
+from models.config import ModelConfig
 
 TOLERANCE = 0.2  # of the measured growth
 MID = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -79,7 +79,7 @@ def test_the_plan_follows_the_layout():
 def test_the_plan_knows_lora():
     """LoRA: moments and gradients for the adapters only, no reference copy (the actor, adapters off);
     the native engine keeps its base for the run and merges a copy of the adapted weights to generate."""
-    from utils.lora import LoraArgs, adapted, count
+    from models.lora import LoraArgs, adapted, count
 
     cfg = ModelConfig(**MID)
     args = LoraArgs(lora_rank=16)

@@ -1,4 +1,4 @@
-"""utils/model.py against transformers: logits, checkpoints, errors."""
+"""models/decoder.py against transformers: logits, checkpoints, errors."""
 import dataclasses
 import json
 import os
@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import hf_checkpoint
 
+from models.config import ModelConfig
+from models.decoder import attention_mask, positions_from
+from models.hf import build, iter_checkpoint, load_model, read_config, save_model
 from tests.helpers.runs import assert_same_by_norm
-from utils.model import (ModelConfig, attention_mask, build, iter_checkpoint, load_model, positions_from,
-                         read_config, save_model)
 
 # Llama 3.1's RoPE scaling with a short original context, so that the 16 frequencies of a 32-dim
 # head fall in all three bands (kept, interpolated, stretched)
@@ -80,7 +81,7 @@ def test_save_load_roundtrip_bit_exact(tmp_path):
 def test_our_checkpoint_loads_in_transformers(tmp_path, arch, llama3):
     import transformers
 
-    from utils.model import LLAMA3_ROPE
+    from models.decoder import LLAMA3_ROPE
 
     cfg = ModelConfig(architecture=arch, attention_bias=arch.startswith("Qwen2"), num_hidden_layers=2,
                       tie_word_embeddings=arch.startswith("Qwen2"), rope_theta=20000.0,
@@ -133,16 +134,16 @@ def test_wrong_shape_checkpoint_is_a_clear_error(tmp_path):
     hf_checkpoint(str(tmp_path), "qwen2")
     cfg = read_config(str(tmp_path))
     cfg.intermediate_size = 128
-    from utils.model import load_state
+    from models.hf import load_state
     with pytest.raises(ValueError, match="shape mismatch for model.layers.0.mlp"):
         load_state(build(cfg), iter_checkpoint(str(tmp_path)))
 
 
 def test_llama3_rope_frequencies_equal_a_loop_over_dimensions():
-    """utils.model.rope_frequencies against Llama 3.1's rule written per frequency."""
+    """models.decoder.rope_frequencies against Llama 3.1's rule written per frequency."""
     import math
 
-    from utils.model import rope_frequencies
+    from models.decoder import rope_frequencies
 
     scaling = {k: LLAMA3[k] for k in LLAMA3 if k not in ("rope_type", "rope_theta")}
     got = rope_frequencies(32, 10000.0, scaling)
@@ -184,7 +185,7 @@ def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path, monkeypatch):
 
     import huggingface_hub.constants
 
-    from utils.model import local_dir
+    from models.hf import local_dir
 
     snapshot = tmp_path / "models--test--tiny" / "snapshots" / "abc123"
     shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "assets", "arith-tiny"), snapshot)
@@ -209,12 +210,12 @@ def tied_tiny_lm():
 
 @pytest.mark.reordered
 def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch):
-    """utils.model.completion_logprobs through the model: with a logits budget of two rows the head
-    runs in chunks (utils.algos.head_logprobs), and the log-probs and every parameter's gradient
+    """models.decoder.completion_logprobs through the model: with a logits budget of two rows the head
+    runs in chunks (models.decoder.head_logprobs), and the log-probs and every parameter's gradient
     (tied head and embeddings included) agree with the one-chunk run to fp32 rounding."""
-    from utils import algos
-    from utils.data import make_batch
-    from utils.model import completion_logprobs
+    from models import decoder
+    from models.decoder import completion_logprobs
+    from tasks.data import make_batch
 
     model = tied_tiny_lm()
     g = torch.Generator().manual_seed(0)
@@ -229,10 +230,11 @@ def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch
         return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     chunks = []
-    apply = algos._HeadLogprobs.apply
-    monkeypatch.setattr(algos._HeadLogprobs, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
+    apply = decoder._HeadLogprobs.apply
+    monkeypatch.setattr(decoder._HeadLogprobs, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
     whole, whole_grads = run()
-    monkeypatch.setattr(algos, "LOGITS_BUDGET", 2 * 7 * 64 * 4)  # two rows of 7 logits: 6, the prompt's last
+    # two rows of 7 logits: 6, the prompt's last
+    monkeypatch.setattr(decoder, "LOGITS_BUDGET", 2 * 7 * 64 * 4)
     chunked, chunked_grads = run()
     assert chunks == [2]  # the second run only, in chunks of two rows
     assert torch.allclose(chunked, whole, atol=1e-5)
@@ -241,13 +243,13 @@ def test_completion_logprobs_in_head_chunks_train_as_the_whole_batch(monkeypatch
 
 @pytest.mark.reordered
 def test_micro_batches_without_padding_columns_give_the_whole_batchs_logprobs_and_gradient():
-    """utils.data.forward_batches: rows sorted by completion length into micro-batches of 2, each
+    """tasks.data.forward_batches: rows sorted by completion length into micro-batches of 2, each
     cut to the columns its own rows use (prompts' left padding, completions' right padding). The
     log-probs put back by scatter_rows and the summed gradient equal the whole batch's, to fp32
     rounding (the same math; the cut columns were masked keys and padded queries, which add exact
     zeros, but the sums run over other widths, so they may round differently: 1e-5 relative)."""
-    from utils.data import forward_batches, make_batch, scatter_rows
-    from utils.model import completion_logprobs
+    from models.decoder import completion_logprobs
+    from tasks.data import forward_batches, make_batch, scatter_rows
 
     model = tied_tiny_lm()
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,6 @@ import time
 import psutil
 import pytest
 import torch.distributed as dist
-
 from test_disaggregate import DISAGG, metrics
 from test_fsdp import ROOT, torchrun
 from test_train_grpo import TINY

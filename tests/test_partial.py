@@ -24,21 +24,21 @@ def metrics(run_dir):
 
 def test_partial_sizes_that_do_not_fit_say_what_would():
     with pytest.raises(UserError, match=r"fits: --sampler-ranks in \[1, 2\]"):
-        placement.check("partial", 3, 6, sampler_ranks=3)
+        placement.layout_of("partial", 3, 6, sampler_ranks=3)
     with pytest.raises(UserError, match=r"fits: --sampler-ranks in \[1\]"):
-        placement.check("partial", 2, 4, sampler_ranks=0)
+        placement.layout_of("partial", 2, 4, sampler_ranks=0)
     with pytest.raises(UserError, match="at least 2 ranks"):
-        placement.check("partial", 1, 4, sampler_ranks=1)
+        placement.layout_of("partial", 1, 4, sampler_ranks=1)
     with pytest.raises(UserError, match="on-policy"):
-        placement.check("partial", 2, 4, max_staleness=1, sampler_ranks=1)
+        placement.layout_of("partial", 2, 4, max_staleness=1, sampler_ranks=1)
     with pytest.raises(UserError, match="applies to --placement partial only"):
-        placement.check("colocate", 2, 4, sampler_ranks=1)
+        placement.layout_of("colocate", 2, 4, sampler_ranks=1)
     with pytest.raises(UserError, match="does not split over 3 trainer ranks"):
-        placement.check("partial", 3, 4, sampler_ranks=1)
-    layout = placement.check("partial", 5, 10, sampler_ranks=2)
+        placement.layout_of("partial", 3, 4, sampler_ranks=1)
+    layout = placement.layout_of("partial", 5, 10, sampler_ranks=2)
     assert [layout.sampler_of(r) for r in range(5)] == [0, 1, 0, 1, 0]
     assert [layout.judges_of(s) for s in range(2)] == [[2, 4], [3]]
-    assert placement.check("partial", 3, 6, sampler_ranks=2).judges_of(1) == [2]  # G < S: shared
+    assert placement.layout_of("partial", 3, 6, sampler_ranks=2).judges_of(1) == [2]  # G < S: shared
 
 
 @pytest.mark.reordered

@@ -3,7 +3,8 @@ noise does not, a move that does not pay is not made, and no move leaves what `c
 import random
 
 from placement import Layout
-from rebalance import decide as rebalance, splits
+from rebalance import decide as rebalance
+from rebalance import splits
 
 N = 4  # ranks
 
@@ -19,7 +20,7 @@ def window(trainer_busy, rollout_busy, steps=10, noise=0.0, seed=0):
 
 
 def decide(rows, rollout=1, staleness=1, cost=5.0, horizon=100, threshold=0.1, since=50, gap=20, prompts=12):
-    layout = Layout("disaggregate", N, dp=N - rollout, rollout=rollout)
+    layout = Layout("disaggregate", N, dp=N - rollout, rollout_ranks=rollout)
     fits = splits(N, prompts, staleness)
     return rebalance(rows, layout, fits, staleness, cost, horizon, threshold, since, gap)
 
@@ -27,7 +28,7 @@ def decide(rows, rollout=1, staleness=1, cost=5.0, horizon=100, threshold=0.1, s
 def test_generation_bound_moves_a_trainer_to_rollout():
     """3 trainers idle while 1 rollout rank generates 3x longer: 2+2 halves the work per rollout rank."""
     move = decide(window(trainer_busy=1.0, rollout_busy=3.0))
-    assert move.layout is not None and (move.layout.dp, move.layout.rollout) == (2, 2), move
+    assert move.layout is not None and (move.layout.dp, move.layout.rollout_ranks) == (2, 2), move
     # train work 3 s over 2 trainers, generate work 3 s over 2 rollout ranks: 1.5 s per step
     assert abs(move.predicted_s - 1.5) < 1e-9 and abs(move.step_s - 3.0) < 1e-9
     assert abs(move.gain_s - ((3.0 - 1.5) * 100 - 5.0)) < 1e-9
@@ -35,7 +36,7 @@ def test_generation_bound_moves_a_trainer_to_rollout():
 
 def test_training_bound_moves_back():
     move = decide(window(trainer_busy=3.0, rollout_busy=1.0), rollout=2)  # 2+2, training the bottleneck
-    assert (move.layout.dp, move.layout.rollout) == (3, 1), move  # 6 s of training over 3: 2 s
+    assert (move.layout.dp, move.layout.rollout_ranks) == (3, 1), move  # 6 s of training over 3: 2 s
 
 
 def test_a_balanced_split_stays_under_noise():
@@ -61,7 +62,7 @@ def test_only_layouts_that_check_accepts():
     ranks, K=3 would leave 1 trainer for 3 rollout ranks (refused) even when generation is all
     the work, so 2+2; with 10 prompts, 3 trainers (K=1) cannot split them."""
     move = decide(window(trainer_busy=0.1, rollout_busy=3.0), prompts=12)
-    assert move.layout.rollout == 2
+    assert move.layout.rollout_ranks == 2
     move = decide(window(trainer_busy=3.0, rollout_busy=0.1), rollout=2, prompts=10)
     assert move.layout is None and "no other split" in move.why  # K=1 would leave 3 trainers for 10
 
@@ -71,7 +72,7 @@ def test_on_policy_runs_add_the_sides():
     now 1 + 3 = 4 s, 2+2 gives 1.5 + 1.5 = 3 s."""
     rows = [{"trainer_busy": 1.0, "rollout_busy": 3.0, "step_s": 4.0}] * 10
     move = decide(rows, staleness=0)
-    assert (move.layout.dp, move.layout.rollout) == (2, 2) and abs(move.predicted_s - 3.0) < 1e-9
+    assert (move.layout.dp, move.layout.rollout_ranks) == (2, 2) and abs(move.predicted_s - 3.0) < 1e-9
 
 
 def test_partial_moves_the_sampler_judge_split():
@@ -80,16 +81,16 @@ def test_partial_moves_the_sampler_judge_split():
     and 3 s of judging: 4 s, a 5 s step; 2 + 2 gives max(2, 1.5) + 1 = 3 s, 3 + 1 max(1.33, 3) + 1 =
     4 s. Judge-bound the other way (1 s and 6 s at 3 + 1: a 7 s step): 1 + 3, max(1, 2) + 1 = 3 s."""
     def partial(sampler, generate, judge, step_s):
-        layout = Layout("partial", N, dp=N, sampler=sampler)
+        layout = Layout("partial", N, dp=N, sampler_ranks=sampler)
         row = {"trainer_busy": 1.0, "rollout_busy": 0.0, "sampler_busy": generate, "judge_busy": judge,
                "step_s": step_s}
         return rebalance([row] * 10, layout, splits(N, 12, 0, "partial"), 0, 5.0, 100, 0.1, 50, 20)
 
     move = partial(1, 4.0, 3.0, 5.0)
-    assert move.layout.sampler == 2 and abs(move.predicted_s - 3.0) < 1e-9, move
+    assert move.layout.sampler_ranks == 2 and abs(move.predicted_s - 3.0) < 1e-9, move
     assert "1 -> 2 sampler ranks" in move.why
     move = partial(3, 1.0, 6.0, 7.0)
-    assert move.layout.sampler == 1 and abs(move.predicted_s - 3.0) < 1e-9, move
+    assert move.layout.sampler_ranks == 1 and abs(move.predicted_s - 3.0) < 1e-9, move
 
 
 # ---------------------------------------------------------------- the move, end to end
@@ -102,9 +103,9 @@ import time  # noqa: E402
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
-
 from test_fsdp import ROOT  # noqa: E402
 from test_train_grpo import metrics  # noqa: E402
+
 from tests.helpers.runs import differences_within  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 

@@ -1,6 +1,7 @@
 import pytest
 
-from roles.reward import Reward, extract_answer, same_answer
+from roles.reward import Reward
+from tasks.rewards import extract_answer, same_answer
 
 
 @pytest.mark.parametrize("text,want", [
@@ -86,7 +87,7 @@ def test_code_reward_sandbox_has_no_network():
     import subprocess
     import sys
 
-    from roles.reward import run_sandboxed
+    from utils.sandbox import run_sandboxed
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

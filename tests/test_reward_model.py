@@ -11,13 +11,14 @@ import torch
 from conftest import hf_checkpoint
 from test_fsdp import torchrun
 
+from assets.make import make_tokenizer
+from models.decoder import positions_from, sequence_scores
+from models.hf import load_model
+from models.tokenizer import Tokenizer, train_tokenizer
+from rl.algos import bradley_terry_loss
 from roles import reward_model
-from utils.algos import bradley_terry_loss
-from utils.data import (Tokenizer, arith_rows, load_pairs, make_batch, take_rows, tokenize_pairs,
-                        train_tokenizer)
+from tasks.data import arith_rows, load_pairs, make_batch, take_rows, tokenize_pairs
 from utils.errors import UserError
-from utils.model import load_model, positions_from, sequence_scores
-from utils.tiny import make_tokenizer
 
 POLICY = "assets/arith-tiny"
 
@@ -95,7 +96,7 @@ def test_scores_match_transformers(tmp_path, arch, kw):
 
 @pytest.mark.reordered
 def test_sharded_reward_model_matches_transformers(tmp_path):
-    """The role, FSDP2 over 2 ranks with micro-batches of one row (utils.data.forward_batches: the
+    """The role, FSDP2 over 2 ranks with micro-batches of one row (tasks.data.forward_batches: the
     rows longest completion first, each cut to its own columns), on an EOS-terminated batch."""
     path = str(tmp_path / "rm")
     ref = hf_reward_model(path, "llama", seed=1, tie_word_embeddings=False)

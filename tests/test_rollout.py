@@ -1,12 +1,13 @@
 """The native engine against transformers: greedy tokens, sampled log-probs, sampler law."""
 import pytest
 import torch
-
-from utils.engines import NativeEngine, SamplingParams
 from conftest import hf_checkpoint
-from utils.decode import inverse_cdf, sample_tokens, uniforms
-from utils.data import Tokenizer, arith_rows
-from utils.model import iter_checkpoint, read_config
+
+from engines.decode import SamplingParams, inverse_cdf, sample_tokens, uniforms
+from engines.native import NativeEngine
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
+from tasks.data import arith_rows
 
 
 def engine_for(path):
@@ -66,7 +67,7 @@ def test_greedy_equals_transformers_generate(decode_model, decode_weights):
 
 @pytest.mark.reordered
 def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(decode_model, decode_weights):
-    """GraphedStep's step (utils/decode.py: each token written at a slot held in a tensor, attention
+    """GraphedStep's step (engines/decode.py: each token written at a slot held in a tensor, attention
     over the whole cache with the unwritten slots masked), run eagerly on this CPU, against the
     eager step over the written slots only. The masked slots add exact zeros, but a longer row may
     be summed in another order, so the log-probs may differ in their last bits: 1e-5 is ~100x
@@ -115,7 +116,7 @@ def test_a_request_that_extends_the_last_ones_rows_prefills_only_what_is_new(dec
     values were made by the decode step, the whole prefill's by the prefill: the same math summed
     in another order, so the log-probs agree to 1e-5 (as for the static step above), the tokens
     exactly unless two probabilities tie within it."""
-    from utils.decode import KeptPrefixes
+    from engines.decode import KeptPrefixes
 
     path, _ = decode_model
     kept, whole = engine_for(path), engine_for(path)

@@ -10,7 +10,7 @@ from test_train_grpo import metrics
 
 from tests.helpers.runs import differences_within
 
-TOOL = ["--model", "assets/tool-tiny", "--dataset", "builtin:multiply", "--tools", "utils.env:multiply",
+TOOL = ["--model", "assets/tool-tiny", "--dataset", "builtin:multiply", "--tools", "tasks.env:multiply",
         "--max-prompt-tokens", "32", "--max-new-tokens", "96", "--prompts-per-step", "4",
         "--num-generations", "4", "--lr", "1e-3", "--warmup-steps", "1", "--eval-every", "3",
         "--eval-prompts", "8"]

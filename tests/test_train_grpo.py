@@ -8,7 +8,6 @@ from test_fsdp import torchrun
 
 from utils.logger import differences, read_metrics
 
-
 TINY = ["--steps", "3", "--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "2",
         "--eval-prompts", "8", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]
 
@@ -102,7 +101,7 @@ def test_a_short_default_run_raises_the_training_reward(tmp_path):
 def test_the_main_job_prints_no_warning(tmp_path):
     """The README's main job, shortened, under torchrun itself (a forked rank would inherit the
     server's warnings already shown): no UserWarning or other warning on either stream. FSDP2 warned
-    at the first backward that the model's root returned a view (utils.algos.token_logprobs)."""
+    at the first backward that the model's root returned a view (models.decoder.token_logprobs)."""
     p = torchrun(2, "train_grpo.py", "--steps", "2", "--run-dir", str(tmp_path), fresh=True, timeout=180)
     assert "summary |" in p.stdout
     warned = [line for line in (p.stdout + p.stderr).splitlines() if "Warning" in line or "warn" in line]

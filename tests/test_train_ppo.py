@@ -13,9 +13,9 @@ from test_checkpoint import same_run, start_and_kill_rank_1
 from test_fsdp import torchrun
 from test_train_grpo import TINY, metrics
 
+from assets.make import random_reward_model
 from tests.helpers.runs import differences_within
 from utils.logger import differences
-from utils.tiny import random_reward_model
 
 PPO_TINY = ["--steps", "3", "--prompts-per-step", "8", "--eval-every", "2", "--eval-prompts", "8",
             "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-steps", "1"]

@@ -1,5 +1,5 @@
-"""Images for Qwen2-VL prompts (utils/vision.py), the loaders' image column (utils/data.py) and the
-built-in squares task (utils/squares.py)."""
+"""Images for Qwen2-VL prompts (models/vision.py), the loaders' image column (tasks/data.py) and the
+built-in squares task (tasks/squares.py)."""
 import io
 import json
 import pickle
@@ -10,9 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from utils import squares, vision
-from utils.data import Tokenizer, load_rows, tokenize_rows, train_tokenizer
-from utils.vision import IMAGE_PAD, ImagePrompt, expand_image_tokens, preprocess, read_image, smart_resize
+from models import vision
+from models.tokenizer import Tokenizer, train_tokenizer
+from models.vision import IMAGE_PAD, ImagePrompt, expand_image_tokens, preprocess, read_image, smart_resize
+from tasks import squares
+from tasks.data import load_rows, tokenize_rows
 
 
 def random_image(h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -239,7 +241,7 @@ def test_squares_load_tokenize_and_reward(vl_tok):
     assert skipped == 0 and all(image_pads(vl_tok, r) == vision.image_tokens(r["ids"].grids[0]) for r in kept)
     for word in ("0", "4"):  # each answer is one token of the task's tokenizer
         assert len(vl_tok.encode(word, False)) == 1, word
-    from roles.reward import accuracy  # the default reward: a word answer is the whole completion
+    from tasks.rewards import accuracy
 
     scores = accuracy(None, [" left. ", "2", "right", "3", "I see 3"], answer=["left", "3", "left", "3", "3"])
     assert scores == [1.0, 0.0, 0.0, 1.0, 1.0]

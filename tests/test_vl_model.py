@@ -1,4 +1,4 @@
-"""utils/vl_model.py (Qwen2-VL) against transformers' Qwen2VLForConditionalGeneration: logits on
+"""models/qwen2_vl.py (Qwen2-VL) against transformers' Qwen2VLForConditionalGeneration: logits on
 a batch of mixed images, M-RoPE positions, the KV-cache path, checkpoints both ways, errors."""
 import dataclasses
 import json
@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from models.decoder import KVCache, attention_mask, flops_per_token
+from models.hf import build, iter_checkpoint, load_model, read_config, save_model
+from models.qwen2_vl import rope_index
 from utils.errors import UserError
-from utils.model import (KVCache, attention_mask, build, flops_per_token, iter_checkpoint, load_model,
-                         read_config, save_model)
-from utils.vl_model import rope_index
 
 START, END, IMAGE, VIDEO = 257, 258, 259, 260  # <|vision_start|> <|vision_end|> <|image_pad|> <|video_pad|>
 TEXT = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

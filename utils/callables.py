@@ -6,14 +6,15 @@ was offered with a JSON schema no call could fill, and the run went on. Each kin
 it and says what to change:
 
     check_tool    a --tools function (or an --env class's `tools`): the worker calls fn(**arguments),
-                  the model's JSON object, and its schema (utils.env.schema) describes it
+                  the model's JSON object, and its schema (tasks.env.schema) describes it
     check_env     an --env class: cls() per episode, then reset(row) and step(text)
     check_reward  a --rewards module:function: fn(prompts, completions, **columns) -> scores
 """
 import inspect
+import re
+import types
 import typing
 
-from utils.env import described, json_type
 from utils.errors import UserError
 
 
@@ -37,7 +38,7 @@ def check_tool(fn, where: str):
     if not inspect.isfunction(fn):
         kind = "class" if inspect.isclass(fn) else type(fn).__name__
         raise UserError(f"{where} is a {kind}, not a function: a tool is a plain def with typed parameters "
-                        "and a docstring (as utils.env:multiply)")
+                        "and a docstring (as tasks.env:multiply)")
     if not fn.__name__.isidentifier():
         raise UserError(f"{where} is a lambda, whose name ({fn.__name__}) the model cannot call: define it "
                         "with def")
@@ -194,3 +195,23 @@ def check_reward_parameters(sig: inspect.Signature, name: str, columns: list[str
     except TypeError as e:
         raise UserError(f"--rewards {name}{sig} cannot be called as {call} with the columns {given} ({e}): "
                         f"take (prompts, {outputs}, **columns)") from None
+
+
+def json_type(hint) -> str | None:
+    """A parameter's JSON schema type from its annotation (int -> "integer", list[int] -> "array",
+    `X | None` -> X's), or None where JSON schema has no type for it."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        hint = args[0] if args[1] is type(None) else args[1]
+    return JSON_TYPES.get(typing.get_origin(hint) or hint)
+
+
+def described(doc: str) -> dict:
+    """{parameter: its description} from the `name: text` lines under a docstring's Args:."""
+    return dict(ARGS_LINE.findall(doc.split("Args:", 1)[1])) if "Args:" in doc else {}
+
+
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+ARGS_LINE = re.compile(r"^\s+(\w+)(?: \([^)]*\))?: (.+)$", re.M)  # `name: text` under a docstring's Args:

@@ -87,6 +87,15 @@ def last_complete(run_dir: str) -> str:
     return f"The last complete checkpoint is {path}."
 
 
+def newest_said(run_dir: str) -> str:
+    """Where a lost peer leaves the run: its newest complete checkpoint, or none (run.parse makes
+    this utils.errors.newest_checkpoint)."""
+    path = find(run_dir)[0]
+    if path is None:
+        return "No checkpoint was saved: a new launch starts afresh."
+    return f"The newest complete checkpoint, {path}, is intact: --resume auto goes on from it."
+
+
 def is_complete(path: str) -> bool:
     """A checkpoint directory that was written to the end (meta.json is written last)."""
     return os.path.isfile(os.path.join(path, "meta.json"))
@@ -162,20 +171,6 @@ def save_and_report(run_dir: str, step: int, actor, keep: int, rank: int, critic
               f"({find(run_dir)[0]}) is intact; training goes on", flush=True)
     else:
         print(f"saved {saved['path']} in {saved['seconds']:.2f}s", flush=True)
-
-
-def export_hf(actor, path: str, rank: int, tokenizer_dir: str):
-    """A HF checkpoint of the policy (safetensors, config, tokenizer): every rank joins the
-    per-tensor gathers, rank 0 writes."""
-    from utils.model import save_model
-
-    if actor.lora:  # a PEFT adapter directory, or the merged model (--merge-on-export)
-        from utils import lora
-
-        return lora.export(actor, path, rank, tokenizer_dir, actor.lora, tokenizer_dir)
-    weights = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
-    if rank == 0:
-        save_model(weights, actor.config, path, tokenizer_dir=tokenizer_dir)
 
 
 def _lora(actor) -> dict | None:

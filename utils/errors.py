@@ -156,19 +156,11 @@ def _peer_met_mistake() -> bool:
         return False
 
 
-RUN_DIR = None  # the run's --run-dir (run.parse sets it): the lost-peer line names its newest checkpoint
-
-
 def newest_checkpoint() -> str:
-    """Where a lost peer leaves the run: its newest complete checkpoint, or none."""
-    if RUN_DIR is None:
-        return "The newest complete checkpoint in --run-dir is intact: --resume auto goes on from it."
-    from utils.checkpoint import find
-
-    path = find(RUN_DIR)[0]
-    if path is None:
-        return "No checkpoint was saved: a new launch starts afresh."
-    return f"The newest complete checkpoint, {path}, is intact: --resume auto goes on from it."
+    """Where a lost peer leaves the run, said in its message. run.parse replaces this with
+    utils.checkpoint.newest_said for the run's --run-dir, which names the checkpoint (errors sits
+    below checkpoint, so it cannot look for itself); callers reach it as errors.newest_checkpoint()."""
+    return "The newest complete checkpoint in --run-dir is intact: --resume auto goes on from it."
 
 
 def _report(kind, error, tb):

@@ -15,10 +15,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
+from rl import algos
 from roles.critic import Critic  # noqa: E402
+from tasks.data import make_batch, rank_slice, take_rows
 from tests.helpers.runs import record_grads  # noqa: E402
-from utils import algos, dist  # noqa: E402
-from utils.data import make_batch, rank_slice, take_rows  # noqa: E402
+from utils import dist
 
 model_dir, out, steps, micro, old = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 lr = float(sys.argv[6]) if len(sys.argv) > 6 else 1e-2

@@ -18,9 +18,9 @@ import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
 from roles.reward import RewardArgs  # noqa: E402
 from roles.teacher import DistillArgs, Teacher  # noqa: E402
+from tasks.data import make_batch, rank_slice
 from train_grpo import Args, advantages, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
-from utils.data import make_batch, rank_slice  # noqa: E402
 from utils.logger import Timer  # noqa: E402
 
 student, teacher_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]

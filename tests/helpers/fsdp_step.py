@@ -10,12 +10,12 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
+from models.hf import load_model
 from roles.actor import Actor  # noqa: E402
+from tasks.data import make_batch, rank_slice
 from tests.helpers.runs import record_grads  # noqa: E402
 from train_grpo import Args, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
-from utils.data import make_batch, rank_slice  # noqa: E402
-from utils.model import load_model  # noqa: E402
 
 model_dir, out, loss_agg, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 compiled = sys.argv[5:] == ["compile"]  # each decoder block under torch.compile

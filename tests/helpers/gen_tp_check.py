@@ -1,5 +1,5 @@
 """Run under torchrun (2 ranks) by tests/test_gen_tp.py: the same model generates the same
-prompts on each rank as one whole native engine (K=1) and as a --gen-tp 2 pair (utils/tp.py),
+prompts on each rank as one whole native engine (K=1) and as a --gen-tp 2 pair (engines/tp.py),
 greedily and sampled; each rank writes both outputs to OUT/rank{r}.pt."""
 import os
 import sys
@@ -7,10 +7,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from engines.decode import SamplingParams
+from engines.make import make_engine
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
 from utils import dist  # noqa: E402
-from utils.data import Tokenizer  # noqa: E402
-from utils.engines import SamplingParams, make_engine  # noqa: E402
-from utils.model import iter_checkpoint, read_config  # noqa: E402
 
 model_dir, out = sys.argv[1], sys.argv[2]
 rank, world, device = dist.init(timeout_s=60)

@@ -10,11 +10,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
+from models.lora import LoraArgs
 from roles.actor import Actor  # noqa: E402
+from tasks.data import make_batch, rank_slice
 from train_grpo import Args, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
-from utils.data import make_batch, rank_slice  # noqa: E402
-from utils.lora import LoraArgs  # noqa: E402
 
 model_dir, out, targets = sys.argv[1], sys.argv[2], sys.argv[3]
 rank, world, device = dist.init(timeout_s=60)

@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_reward_model.py: the reward-model role, sharded over the
 ranks, scores its rows of a saved batch (each rank its own share, one row per micro-batch, each
-cut to its own columns: utils.data.forward_batches) and writes them to out.rank<r>.pt. argv:
+cut to its own columns: tasks.data.forward_batches) and writes them to out.rank<r>.pt. argv:
 checkpoint, policy checkpoint (for reward_model.check), batch.pt (input_ids, valid, prompt_len), out."""
 import os
 import sys
@@ -10,8 +10,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles import reward_model  # noqa: E402
+from tasks.data import rank_slice, take_rows
 from utils import dist  # noqa: E402
-from utils.data import rank_slice, take_rows  # noqa: E402
 
 path, policy, batch_file, out = sys.argv[1:5]
 reward_model.check(path, policy)

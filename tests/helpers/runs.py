@@ -71,7 +71,7 @@ def assert_same_first_step(a: dict, b: dict, before: dict, lr: float, share: flo
     lr * g / (|g| + eps), eps 1e-8: +-lr wherever |g| >> eps, and there the two must agree to rounding
     (1e-5 is 0.1% of the step; measured up to 1.7e-6). Where |g| is within ~20 eps of 0 (a gradient
     that cancels), the step is rounding noise divided by ~eps, and the same sums in another order
-    (other ranks, or other micro-batches: utils.data.forward_batches groups rows by length) move it
+    (other ranks, or other micro-batches: tasks.data.forward_batches groups rows by length) move it
     anywhere in +-lr: those weights (10-13% in these tests) are not compared, and at least `share` of
     all weights must have taken the whole step, so that the check covers the model. A row lost or
     counted twice moves the gradient by a share of its size and flips the steps of the weights whose

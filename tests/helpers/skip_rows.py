@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
 from roles.actor import Actor  # noqa: E402
+from tasks.data import make_batch
 from train_grpo import Args, loss_fn  # noqa: E402
 from utils import dist  # noqa: E402
-from utils.data import make_batch  # noqa: E402
 
 model_dir, out = sys.argv[1], sys.argv[2]
 rank, world, device = dist.init(timeout_s=60)

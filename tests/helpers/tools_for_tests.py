@@ -1,4 +1,4 @@
-"""Tools that misbehave, for tests/test_episodes.py (run in utils.env's tool process)."""
+"""Tools that misbehave, for tests/test_episodes.py (run in tasks.env's tool process)."""
 import os
 import time
 

@@ -11,10 +11,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from utils.data import Tokenizer, multiply_rows  # noqa: E402
-from utils.engines import NativeEngine, Samples, SamplingParams, VLLMEngine  # noqa: E402
-from utils.episodes import EnvArgs, Episodes, tokenize  # noqa: E402
-from utils.model import iter_checkpoint, read_config  # noqa: E402
+from engines.base import Samples
+from engines.decode import SamplingParams
+from engines.episodes import EnvArgs, Episodes, tokenize
+from engines.native import NativeEngine
+from engines.vllm_engine import VLLMEngine
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
+from tasks.data import multiply_rows
 
 MODEL = os.path.join(ROOT, "assets", "tool-tiny")
 
@@ -31,7 +35,7 @@ class Calls:
             return self.engine.generate(prompts, params, seeds)
         rows = []
         for p in prompts:
-            from utils.tiny import tool_call_text
+            from assets.make import tool_call_text
 
             a, b = self.tok.tok.decode(p, skip_special_tokens=True).split("\n")[1].rstrip("=").split("*")
             rows.append(self.tok.encode(tool_call_text(a, b), special=False) + [min(self.tok.eos_ids)])
@@ -45,7 +49,7 @@ class Calls:
 
 if __name__ == "__main__":
     tok = Tokenizer(MODEL)
-    cfg = EnvArgs(tools=("utils.env:multiply",))
+    cfg = EnvArgs(tools=("tasks.env:multiply",))
     cfg.check()
     rows = tokenize(multiply_rows("eval")[:32], tok, cfg, 64)[0]
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=96)

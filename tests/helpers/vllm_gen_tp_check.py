@@ -8,10 +8,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from utils import dist, tp  # noqa: E402
-from utils.data import Tokenizer  # noqa: E402
-from utils.engines import SamplingParams, make_engine  # noqa: E402
-from utils.model import iter_checkpoint, read_config  # noqa: E402
+from engines import tp
+from engines.decode import SamplingParams
+from engines.make import make_engine
+from models.hf import iter_checkpoint, read_config
+from models.tokenizer import Tokenizer
+from utils import dist
 
 model_dir, out, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rank, world, device = dist.init(timeout_s=120)

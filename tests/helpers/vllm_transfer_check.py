@@ -4,7 +4,7 @@ each of several updates against the trainer's own model. Prints JSON on its last
 
   MODEL inproc            the engine in this process (colocate): VLLMEngine.load_weights
   MODEL gloo B1 B2 ...    its core in a child process (disaggregate), one update per bucket size
-                          B (bytes); this process is trainer 0 too (utils.vllm_transfer.TrainerEnd)
+                          B (bytes); this process is trainer 0 too (engines.vllm_transfer.TrainerEnd)
   MODEL trainer-dies      the engine's side, with trainer 0 in a child that dies mid-update
   MODEL rollout-dies      trainer 0's side, with the engine's process killed mid-update
 """
@@ -20,10 +20,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from engines.decode import SamplingParams
+from engines.native import NativeEngine
+from engines.vllm_engine import VLLMEngine
+from models.decoder import completion_logprobs
+from models.hf import build, iter_checkpoint, load_state, read_config
+from models.tokenizer import Tokenizer
+from tasks.data import arith_rows, make_batch
 from utils import dist  # noqa: E402
-from utils.data import Tokenizer, arith_rows, make_batch  # noqa: E402
-from utils.engines import NativeEngine, SamplingParams, VLLMEngine  # noqa: E402
-from utils.model import build, completion_logprobs, iter_checkpoint, load_state, read_config  # noqa: E402
 
 TIMEOUT_S = 20
 
@@ -50,7 +54,7 @@ def diff_rows(a, b) -> list[int]:
 def trainer_peer(model_dir):
     """A trainer 0 that opens the group, hands its rendezvous to the parent (stdout), and dies
     after sending a third of an update's tensors."""
-    from utils.vllm_transfer import TrainerEnd
+    from engines.vllm_transfer import TrainerEnd
 
     weights = new_weights(model_dir, 1)
     end = TrainerEnd("gloo", specs_of(weights), 1, 1024, TIMEOUT_S)
@@ -86,7 +90,7 @@ def main():
     dist.init(timeout_s=120)  # as in training: the process group exists before the engine
     tok = Tokenizer(model_dir)
     if mode == "rollout-dies":
-        from utils.vllm_transfer import TrainerEnd
+        from engines.vllm_transfer import TrainerEnd
 
         weights = new_weights(model_dir, 1)
         end = TrainerEnd("gloo", specs_of(weights), 1, 1024, TIMEOUT_S)
@@ -150,7 +154,7 @@ def main():
         native.load_weights(iter(weights))
         engine.version = k + 1
         if own:
-            from utils.vllm_transfer import TrainerEnd
+            from engines.vllm_transfer import TrainerEnd
 
             end = TrainerEnd("gloo", specs_of(weights), 1, bucket, TIMEOUT_S)
             with ThreadPoolExecutor(max_workers=1) as pool:

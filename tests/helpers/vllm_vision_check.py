@@ -26,12 +26,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from utils.data import Tokenizer  # noqa: E402
-from utils.engines import SamplingParams, VLLMEngine  # noqa: E402
+from engines.decode import SamplingParams
+from engines.vllm_engine import VLLMEngine
+from models.tokenizer import Tokenizer
 
 
 class Prompt(list):
-    """What utils.vision.ImagePrompt is to the engine: token ids (pads expanded) with `.images`, and
+    """What models.vision.ImagePrompt is to the engine: token ids (pads expanded) with `.images`, and
     maybe the pixel limits they were sized with."""
 
     def __init__(self, ids, images, pixels=()):

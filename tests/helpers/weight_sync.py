@@ -10,10 +10,10 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import placement  # noqa: E402
+from engines.base import Engine
 from roles.actor import Actor  # noqa: E402
 from roles.rollout import RemoteEngine, serve  # noqa: E402
 from utils import dist  # noqa: E402
-from utils.engines import Engine  # noqa: E402
 
 model_dir, out, sizes = sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3:]]
 rank, world, device = dist.init(timeout_s=60)

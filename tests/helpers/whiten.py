@@ -7,8 +7,9 @@ import torch
 import torch.distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from utils import algos, dist  # noqa: E402
-from utils.data import rank_slice  # noqa: E402
+from rl import algos
+from tasks.data import rank_slice
+from utils import dist
 
 batch_file, out = sys.argv[1], sys.argv[2]
 rank, world, device = dist.init(timeout_s=60)

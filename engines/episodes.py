@@ -1,5 +1,5 @@
 """Multi-turn episodes, token in / token out: `Episodes` wraps an engine and plays a whole
-episode with an environment (utils/env.py) for every sample it is asked for, behind the same
+episode with an environment (tasks/env.py) for every sample it is asked for, behind the same
 `generate` (so every rollout of rollouts.py, the held-out evaluation, dynamic sampling and a
 rollout rank's `serve` run episodes unchanged). Chosen before the loop by --env / --tools (`wrap`:
 without them the engine is returned as it is).
@@ -28,9 +28,11 @@ from typing import ClassVar
 
 import torch
 
-from utils.engines import Engine, Samples
+from engines.base import Engine, Samples
+from models.tokenizer import Tokenizer
+from tasks.data import tokenize_rows
+from tasks.env import ERRORS, ToolEnv, ToolWorker, load, schema
 from utils.callables import check_env, check_tool
-from utils.env import ERRORS, ToolEnv, ToolWorker, load, schema
 from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, time_limit
 
@@ -43,7 +45,7 @@ class EnvArgs:
     """an environment (one instance per episode), module:Class with reset(row) -> messages and
     step(text) -> (messages, reward, done) (docs/tools.md); with --tools alone, the tool environment"""
     tools: tuple[str, ...] = ()
-    """tools, plain Python functions as module:function (utils.env:multiply: the calculator of
+    """tools, plain Python functions as module:function (tasks.env:multiply: the calculator of
     --dataset builtin:multiply); the model calls them as <tool_call>{...}</tool_call>"""
     max_turns: int = 4
     """--env: model turns per episode, at most"""
@@ -76,7 +78,7 @@ class EnvArgs:
             self.check_callables()
 
     def check_callables(self):
-        """The tools and the environment class load and fit what the trainer calls (utils.env
+        """The tools and the environment class load and fit what the trainer calls (tasks.env
         `check_tool`, `check_env`), once, before the run; the model calls a tool by its name, so two
         tools may not share one."""
         if self.env == "tools" and not self.tools:
@@ -105,7 +107,6 @@ class EnvArgs:
     def check_model(self, model_dir: str):
         """After --model is known: its chat template can carry an episode (`check_template`)."""
         if self.env is not None:
-            from utils.data import Tokenizer
 
             _, tools, worker = self.make()
             check_template(Tokenizer(model_dir), tools)
@@ -144,9 +145,8 @@ def wrap(local_engine, cfg: EnvArgs, tok, rows: list[dict], max_new_tokens: int)
 
 
 def tokenize(rows: list[dict], tok, cfg: EnvArgs, max_prompt_tokens: int):
-    """utils.data.tokenize_rows for episodes: the prompt is the environment's opening messages
+    """tasks.data.tokenize_rows for episodes: the prompt is the environment's opening messages
     rendered with the tools' schemas."""
-    from utils.data import tokenize_rows
 
     if cfg.env is None:
         return tokenize_rows(rows, tok, max_prompt_tokens)

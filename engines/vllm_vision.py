@@ -24,7 +24,7 @@ it does: the process that builds `LLM` (VLLMEngine calls `install` through vllm_
 the model-inspection subprocess (vllm/model_executor/models/registry.py `_run`: it loads the general
 plugins before it unpickles the inspection), and, with own_process=True, the engine core and its
 worker (vllm/v1/engine/core.py, v1/worker/worker_base.py load them too). The general plugins are our
-`vllm.general_plugins` entry point, `utils.vllm_transfer:register` (pyproject.toml, installed by
+`vllm.general_plugins` entry point, `engines.vllm_transfer:register` (pyproject.toml, installed by
 `pip install -e .`), which calls `install`.
 """
 import importlib.util
@@ -35,14 +35,16 @@ import types
 import numpy as np
 from transformers.video_processing_utils import VideoProcessorMixin  # imports without torchvision
 
+from models.hf import read_config
+
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)  # what the shim and our model cover
 TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 VIDEOS_REFUSED = ("this engine takes images, not videos: Qwen2-VL's video processor needs torchvision, and "
-                  "no CPU build of torchvision exists for torch 2.13 (utils/vllm_vision.py); send frames "
+                  "no CPU build of torchvision exists for torch 2.13 (engines/vllm_vision.py); send frames "
                   "as images")
 PLUGIN_NEEDED = ("a Qwen2-VL checkpoint in vLLM without torchvision: vLLM loads the model's code in "
                  "processes of its own (its model inspection, its engine core), which get our "
-                 "compatibility shim (utils/vllm_vision.py) only through our entry point: run "
+                 "compatibility shim (engines/vllm_vision.py) only through our entry point: run "
                  "`pip install -e .` in this directory")
 
 _installed = False
@@ -73,7 +75,7 @@ def install() -> bool:
 
     # 1. the names vLLM imports from the torchvision module, from the PIL module
     module = types.ModuleType(TORCHVISION_MODULE, "Qwen2-VL's torchvision image module without "
-                              "torchvision (utils/vllm_vision.py): only smart_resize, the PIL module's")
+                              "torchvision (engines/vllm_vision.py): only smart_resize, the PIL module's")
     module.smart_resize = pil.smart_resize
     sys.modules[TORCHVISION_MODULE] = module
     # 2. a video processor that needs nothing; ProcessorMixin.check_argument_for_proper_class looks
@@ -121,7 +123,6 @@ def image_token(model_dir: str) -> int | None:
     model (or a directory without config.json, e.g. a hub name)."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return None
-    from utils.model import read_config
 
     cfg = read_config(model_dir)
     return cfg.image_token_id if cfg.architecture in VISION_ARCHITECTURES else None
@@ -133,7 +134,7 @@ def vllm_prompt(prompt: list[int], image_token: int) -> dict:
     itself, to the count its image processor computes (given expanded pads it does not see them as
     applied: it expands the first again, 14 ids -> 19, measured). So each run of pads becomes one
     pad. The images go as PIL images, with the pixel limits they were sized with if the prompt
-    carries them (utils.vision.ImagePrompt does), so that vLLM sizes them as we did."""
+    carries them (models.vision.ImagePrompt does), so that vLLM sizes them as we did."""
     from PIL import Image
 
     collapsed, runs = [], 0
@@ -160,5 +161,5 @@ def check_expanded(ours: list[int], vllms: list[int]):
     would then see other image tokens than the sampler did)."""
     if list(ours) != list(vllms):
         raise ValueError(f"vLLM expanded a prompt's images to {len(vllms)} tokens, we to {len(ours)}: its "
-                         f"image processor sizes them differently from ours (utils/vision.py); give both the "
-                         f"same min/max pixels (the checkpoint's preprocessor_config.json)")
+                         f"image processor sizes them differently from ours (models/vision.py); give "
+                         f"both the same min/max pixels (the checkpoint's preprocessor_config.json)")

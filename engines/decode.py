@@ -1,4 +1,4 @@
-"""The native engine's math: a decoder for generation over `utils.model`'s weights, and a
+"""The native engine's math: a decoder for generation over `models.decoder`'s weights, and a
 seeded sampler.
 
 `FusedDecoder` runs a `Transformer`'s weights with q/k/v and gate/up fused (prefill) and a
@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from utils.model import KVCache
+from models.decoder import KVCache
+from models.qwen2_vl import mrope_freqs
 
 
 @dataclass
@@ -118,7 +119,7 @@ class FusedDecoder:
     larger matmuls win). Same math as `Transformer.forward`; tested against transformers.
     The model's q/k/v and gate/up parameters become views of the fused tensors, so loading
     new weights into the model updates the decoder in place (no second copy per update).
-    tp_group (--gen-tp, utils/tp.py): the model holds this rank's part of each block, and the
+    tp_group (--gen-tp, engines/tp.py): the model holds this rank's part of each block, and the
     partial sums of o_proj and down_proj are all-reduced over the group (Megatron's row-parallel
     linear) before they join the residual."""
 
@@ -172,7 +173,7 @@ class FusedDecoder:
 
     def _summed(self, partial, bias=None):
         """--gen-tp: a row-parallel projection's partial sums [..., h] added over the group, then
-        its bias (whole on every rank: utils/tp.py `part`)."""
+        its bias (whole on every rank: engines/tp.py `part`)."""
         torch.distributed.all_reduce(partial, group=self.tp_group)
         return partial if bias is None else partial + bias
 
@@ -182,7 +183,6 @@ class FusedDecoder:
         (-x2, x1) but one op (a roll) instead of two slices, a negation and a cat. M-RoPE's
         positions [3, B, S] (a Qwen2-VL prompt) -> [B, S, 1, D]; decoding after it is 1-D."""
         if positions.dim() == 3:
-            from utils.vl_model import mrope_freqs
 
             freqs = mrope_freqs(positions, self.inv_freq, self.cfg.mrope_section)  # [B, S, D/2]
         else:
@@ -288,7 +288,7 @@ def _swiglu(x, wgu):
 def _merged(w, parts, lora: dict):
     """LoRA: w [sum of rows, in], the fused base weight of `parts` ((module prefix, rows), in w's
     row order), with scale B A added to each adapted part in fp32 and rounded once to w's dtype (as
-    utils.lora.merged); w itself when no part is adapted."""
+    models.lora.merged); w itself when no part is adapted."""
     if not any(prefix in lora for prefix, _ in parts):
         return w
     out = []
@@ -312,7 +312,7 @@ def _fuse(params):
 
 class KeptPrefixes:
     """A `generate`'s KV cache, kept for the next request (NativeEngine.keep_prefixes: multi-turn
-    episodes, utils/episodes.py). A prompt that extends a kept row's tokens takes that row's keys
+    episodes, engines/episodes.py). A prompt that extends a kept row's tokens takes that row's keys
     and values for them, and only the rest is prefilled: an episode's next turn prefills the
     model's last token and the environment's reply, not the whole history again (vLLM's prefix
     caching does the same by blocks). Sample r's keys and values are row `where[r]` of the cache

@@ -1,13 +1,13 @@
 """The trainer/engine log-prob mismatch (--recompute-old-logp, --mismatch): one call before the
 update (`Correction.apply`), nothing when both are off. The trainer recomputes the old policy's
 log-probs, which replace the engine's as the ratio's denominator, and the engine's gap
-r = trainer-old / engine is corrected by TIS, MIS or IcePop (utils/algos.py `mismatch_weights`:
+r = trainer-old / engine is corrected by TIS, MIS or IcePop (rl/algos.py `mismatch_weights`:
 the formulas and their papers)."""
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from utils import algos
+from rl import algos
 from utils.errors import check_rules
 
 

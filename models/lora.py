@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.hf import copy_tokenizer, save_model
 from utils.errors import UserError, check_rules
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -206,35 +207,6 @@ def write_peft(path: str, adapters: dict, rank: int, alpha: float, base: str = "
         json.dump(config, f, indent=2)
 
 
-def check_model_dir(path: str, flag: str):
-    """A checkpoint directory given to `flag` (--model, --teacher-model, ...) has config.json, else
-    one error naming that flag. Here because the usual such directory is a LoRA adapter (what a
-    --lora-rank run exports: adapter_config.json and the adapters, no base weights): it says so
-    and how an adapter is used. A directory that is not there is left to utils.model.read_config."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
-        return
-    adapter = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(adapter):
-        raise UserError(f"{flag} {path} has no config.json: point {flag} at a Hugging Face checkpoint "
-                        "directory (config.json, *.safetensors, tokenizer.json)")
-    try:
-        with open(adapter) as f:
-            base = json.load(f).get("base_model_name_or_path") or ""
-    except (OSError, ValueError, AttributeError):
-        base = ""
-    base = f" ({base}, as its adapter_config.json says)" if base else ""
-    if flag == "--model":
-        raise UserError(f"--model {path} is a LoRA adapter (adapter_config.json, no config.json), not a "
-                        f"whole model: pass its base model{base} as --model, with --lora-rank R to train "
-                        "adapters on it; to start from this adapter, merge it into its base first (peft's "
-                        "merge_and_unload, then save_pretrained; a --lora-rank run writes that itself with "
-                        "--merge-on-export)")
-    raise UserError(f"{flag} {path} is a LoRA adapter (adapter_config.json, no config.json), not a whole "
-                    f"model: merge it into its base model{base} (peft's merge_and_unload, then "
-                    f"save_pretrained; a --lora-rank run writes that itself with --merge-on-export) and pass "
-                    f"that directory as {flag}")
-
-
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices (config/lora.py)
 
 
@@ -246,7 +218,6 @@ def vllm_max_rank(rank: int) -> int:
 def export(actor, path: str, rank: int, tokenizer_dir: str, cfg: LoraArgs, base: str):
     """The final policy: a PEFT adapter directory (PEFT's names and config, for transformers +
     peft on `base`), or with --merge-on-export a full HF checkpoint. Every rank joins the gathers."""
-    from utils.model import copy_tokenizer, save_model
 
     full = [(name, t.cpu()) for name, t in actor.full_weights(exact=True)]
     if cfg.merge_on_export:

@@ -1,7 +1,7 @@
 """A tiny flow-matching image model in plain torch: a DiT (Peebles & Xie 2023, "Scalable Diffusion
 Models with Transformers") with adaLN-Zero conditioning, trained as a rectified flow (Liu et al.
 2022, "Flow Straight and Fast"; Esser et al. 2024, SD3) on the built-in image task
-(utils/shapes.py). It is the policy of Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow
+(tasks/shapes.py). It is the policy of Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow
 Matching Models via Online RL"): what the RL trains is `forward`, the velocity field.
 
 Time runs as in rectified flow: x_t = (1 - t) x0 + t eps, t = 0 the image, t = 1 pure noise; the
@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from utils.data import read_json
+from models.config import read_json
 from utils.errors import UserError
-from utils.shapes import COLOURS, HALVES, SHAPES
 
 MODEL_TYPE = "tiny_flow_dit"
 
@@ -46,11 +45,11 @@ class FlowConfig:
     """attention heads; hidden / heads each"""
     mlp_ratio: int = 4
     """the MLP's inner width is mlp_ratio * hidden"""
-    colours: int = len(COLOURS)
-    """rows of the colour embedding (ids of utils.shapes.COLOURS)"""
-    shapes: int = len(SHAPES)
-    """rows of the shape embedding (ids of utils.shapes.SHAPES)"""
-    halves: int = len(HALVES)
+    colours: int = 8
+    """rows of the colour embedding (ids of a task's colours: tasks.shapes.COLOURS has 8)"""
+    shapes: int = 3
+    """rows of the shape embedding (ids of a task's shapes: tasks.shapes.SHAPES has 3)"""
+    halves: int = 3
     """rows of the half embedding; id 0 = anywhere, a zero row that is never trained"""
 
     def to_hf(self) -> dict:
@@ -72,11 +71,11 @@ def read_flow_config(path: str) -> FlowConfig:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise UserError(f"{path!r} has no config.json; make a flow model with "
-                        "`python -m utils.tiny --flow --out DIR`")
+                        "`python -m assets.make --flow --out DIR`")
     d = read_json(file)
     if d.get("model_type") != MODEL_TYPE:
         raise UserError(f"{file}: model_type {d.get('model_type')!r} is not {MODEL_TYPE!r} (a language "
-                        "model's checkpoint? the image task needs `python -m utils.tiny --flow` 's)")
+                        "model's checkpoint? the image task needs `python -m assets.make --flow` 's)")
     return FlowConfig(**{f.name: d[f.name] for f in fields(FlowConfig) if f.name in d})
 
 

@@ -17,8 +17,8 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
   h); q three times (projection, rotated half, after RoPE) and the attention output twice (5 q);
   k three times and v once (4 kv); the MLP's gate, its SiLU, up and their product (4 i):
   measured on CPU within 10% of what autograd keeps; LoRA's x A^T adds r per linear, left out),
-  and the logits [tokens, V] in fp32 three times, at most three chunks of utils.algos.LOGITS_BUDGET
-  (the head's log-probs run in chunks of rows: algos.head_logprobs).
+  and the logits [tokens, V] in fp32 three times, at most three chunks of models.decoder.LOGITS_BUDGET
+  (the head's log-probs run in chunks of rows: models.decoder.head_logprobs).
 - generate: the engine's full copy of the weights in p; on CPU in fp32 the native engine's
   oneDNN-packed decode copy (`FusedDecoder.prepare`: the same size again); its KV cache
   [layers, rows, kv heads, prompt + new tokens, head dim] x 2 in p (finished rows leave it in
@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from utils import lora
-from utils.algos import LOGITS_BUDGET
-from utils.engines import engine_kind
-from utils.model import ModelConfig, read_config
+from engines.make import engine_kind
+from models import lora
+from models.config import ModelConfig
+from models.decoder import LOGITS_BUDGET
+from models.hf import read_config
 
 GIB = 2**30
 
@@ -65,8 +66,8 @@ class Workload:
     device_bytes: int = 0
     packed_decode: bool = True  # the native engine on CPU in fp32 keeps a packed copy
     bucket_bytes: int = 64 * 2**20  # --sync-bucket-mb (disaggregate)
-    lora_params: int = 0  # LoRA's adapter parameters (utils.lora.count); 0: the full model trains
-    lora_merged: int = 0  # LoRA, native engine: the adapted weights' elements (utils.lora.adapted)
+    lora_params: int = 0  # LoRA's adapter parameters (models.lora.count); 0: the full model trains
+    lora_merged: int = 0  # LoRA, native engine: the adapted weights' elements (models.lora.adapted)
 
 
 @dataclass
@@ -175,20 +176,21 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
     rows = args.prompts_per_step // dp * args.num_generations
     judge_args = getattr(args, "judge", None)  # train_grpo.py's
     judge = judge_args.judge_model if judge_args else None
-    native = engine_kind(args.engine, device) == "native"
+    native = engine_kind(args.sampling.engine, device) == "native"
     gpu_vllm = not native and device.type == "cuda"
     value = read_config(critic) if critic else None  # a value model: one score per token
     value = value if value is None or value.scores else value.with_score_head(1)
-    w = Workload(param_bytes=2 if args.param_dtype == "bfloat16" else 4, micro_batch=args.micro_batch_size,
-                 prompt_len=prompt_len, new_tokens=args.max_new_tokens, rows=rows,
+    w = Workload(param_bytes=2 if args.compute.param_dtype == "bfloat16" else 4,
+                 micro_batch=args.micro_batch_size, prompt_len=prompt_len,
+                 new_tokens=args.sampling.max_new_tokens, rows=rows,
                  gen_rows=max(rows, -(-eval_rows // dp)), reference=args.kl_coef > 0, critic=value,
                  reward_model=read_config(args.reward.reward_model) if args.reward.reward_model else None,
                  judge=read_config(judge) if judge else None,
                  teacher=read_config(teacher) if (teacher := args.distill.teacher_model) else None,
                  teacher_released=device.type != "cpu",  # as roles/teacher.py decides
-                 judge_len=prompt_len + args.max_new_tokens + 512  # the judge template's own words
+                 judge_len=prompt_len + args.sampling.max_new_tokens + 512  # the judge template's own words
                  + (judge_args.judge_max_new_tokens if judge_args else 0),
-                 vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.layout.sync_bucket_mb * 2**20),
+                 vllm_share=0.5 if gpu_vllm else 0.0, bucket_bytes=int(args.placement.sync_bucket_mb * 2**20),
                  device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0,
                  lora_params=lora.count(cfg, args.lora),
                  lora_merged=lora.adapted(cfg, args.lora) if native else 0)

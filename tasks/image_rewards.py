@@ -3,7 +3,7 @@
 Each is `fn(prompts, images) -> Tensor [B]`, the language rewards' order (roles/reward.py: the
 images are the completions): prompts B strings, images [B, 3, H, W] in [-1, 1].
 A prompt names a colour (COLOURS) and maybe a half ("on the left" / "on the right"), read here
-with a word lookup (the task's own parser lives in utils/shapes.py; these rewards read any text).
+with a word lookup (the task's own parser lives in tasks/shapes.py; these rewards read any text).
 An image is a bright shape on a dark background: its foreground is the pixels whose brightest
 channel, on the [0, 1] scale, is over FOREGROUND (the shapes task draws its background at 0-0.1).
     colour           share of the foreground pixels whose nearest colour is the asked one

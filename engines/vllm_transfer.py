@@ -44,9 +44,9 @@ PLUGIN = "rl_weight_transfer"  # the entry point's name in pyproject.toml
 
 def register():
     """vLLM's general plugin: called in every vLLM process, and possibly more than once. It also
-    makes Qwen2-VL loadable without torchvision (utils/vllm_vision.py), which each of those
+    makes Qwen2-VL loadable without torchvision (engines/vllm_vision.py), which each of those
     processes needs before vLLM imports the model's code."""
-    from utils import vllm_vision
+    from engines import vllm_vision  # defers transformers' processors
 
     vllm_vision.install()
     backends = (("gloo", GlooWorkerEngine, GlooTrainerEngine), ("inproc", InprocWorkerEngine, None))

@@ -17,7 +17,7 @@ import random
 
 import numpy as np
 
-from utils.vision import FACTOR, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, with_image_parts
+from models.vision import FACTOR, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, with_image_parts
 
 NAME = "builtin:squares"
 COLOURS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 90, 235)}
@@ -95,7 +95,7 @@ def square_rows(split: str, seed: int = 0, n_train: int = 2000, n_eval: int = 25
 
 # ---------------------------------------------------------------- a tokenizer for the task
 
-# A short chat format, one special token per role (as utils/tiny.py's TOOL_TEMPLATE), with each
+# A short chat format, one special token per role (as assets/make.py's TOOL_TEMPLATE), with each
 # {"type": "image"} part written as Qwen2-VL writes it: <|vision_start|><|image_pad|><|vision_end|>
 VL_TEMPLATE = (
     "{%- for m in messages %}"
@@ -110,7 +110,7 @@ VL_SPECIAL = ("<|user|>", "<|assistant|>", VISION_START, VISION_END, IMAGE_PAD, 
 
 
 def vl_tokenizer_texts(n: int = 2000) -> list[str]:
-    """What a tokenizer of this task is trained on (utils.data.train_tokenizer with VL_TEMPLATE and
+    """What a tokenizer of this task is trained on (models.tokenizer.train_tokenizer with VL_TEMPLATE and
     VL_SPECIAL as its special tokens): questions and answers of the train split, as
     question + answer, the frequencies the task has."""
     return [r["prompt"][0]["content"][-1]["text"] + r["answer"] for r in square_rows("train", n_train=n)]

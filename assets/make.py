@@ -2,21 +2,38 @@
 model, and a short supervised warm start that leaves the model partly right on the task
 (so that RL has something to improve, in minutes on 2 CPU cores).
 
-    python -m utils.tiny --out assets/arith-tiny            # what the default run uses (~5 min)
-    python -m utils.tiny --out /tmp/rand --sft-steps 0       # random weights (tests)
-    python -m utils.tiny --judge --out assets/judge-tiny     # the tiny judge (~9 min)
-    python -m utils.tiny --tools --out assets/tool-tiny      # a tiny model that sometimes calls a tool
-    python -m utils.tiny --flow --out assets/flow-tiny       # a tiny image model (Flow-GRPO) (~4 min)
-    python -m utils.tiny --vl --out assets/vl-tiny           # a tiny Qwen2-VL (builtin:squares) (~2.5 min)
+    python -m assets.make --out assets/arith-tiny            # what the default run uses (~5 min)
+    python -m assets.make --out /tmp/rand --sft-steps 0       # random weights (tests)
+    python -m assets.make --judge --out assets/judge-tiny     # the tiny judge (~9 min)
+    python -m assets.make --tools --out assets/tool-tiny      # a tiny model that sometimes calls a tool
+    python -m assets.make --flow --out assets/flow-tiny       # a tiny image model (Flow-GRPO) (~4 min)
+    python -m assets.make --vl --out assets/vl-tiny           # a tiny Qwen2-VL (builtin:squares) (~2.5 min)
 """
 import argparse
 import random
 import time
+from dataclasses import replace
 
 import torch
 
-from utils.data import Tokenizer, arith_rows, train_tokenizer, wrong_answer
-from utils.model import ModelConfig, build, save_model
+from engines.decode import SamplingParams
+from engines.episodes import template_delta
+from engines.native import NativeEngine
+from models import vision
+from models.config import ModelConfig
+from models.decoder import attention_mask
+from models.flow_dit import FlowConfig, FlowModel, flow_loss, load_flow, logit_normal, save_flow
+from models.hf import build, iter_checkpoint, load_model, read_config, save_model
+from models.qwen2_vl import rope_index
+from models.tokenizer import Tokenizer, train_tokenizer
+from rl import flow
+from roles.judge import DEFAULT_TEMPLATE, render
+from tasks import squares
+from tasks.data import arith_rows, load_rows, multiply_rows, tokenize_rows, wrong_answer
+from tasks.env import multiply, schema
+from tasks.rewards import accuracy, extract_answer, same_answer
+from tasks.shapes import COLOURS, HALVES, SHAPES, colour_fraction, draw_batch
+from tasks.squares import NAME
 
 # head_dim >= 32 for vLLM's CPU kernels
 TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
@@ -43,9 +60,6 @@ def random_checkpoint(path: str, seed: int = 0, architecture: str = "Qwen2ForCau
 def random_reward_model(path: str, policy: str, seed: int = 0, std: float = 0.02) -> ModelConfig:
     """A random Bradley-Terry reward model (...ForSequenceClassification, one score) with the
     decoder shape and the tokenizer of the checkpoint at `policy` (tests and benchmarks)."""
-    from dataclasses import replace
-
-    from utils.model import read_config
 
     cfg = replace(read_config(policy).with_score_head(1), pad_token_id=Tokenizer(policy).pad_id)
     model = build(cfg)
@@ -94,7 +108,6 @@ def masked_nll(model, x, m):
 
 def warm_start(path: str, steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, log_every: int = 250):
     """Supervised steps on the built-in task's train split, in place on the checkpoint at `path`."""
-    from utils.model import load_model
 
     torch.manual_seed(seed)
     model = load_model(path).train()
@@ -121,11 +134,10 @@ JUNK = [" ", ".", "!", "=", "+", "?", ")", " ok", "\n", "=="]  # no digits: the 
 
 
 def judge_candidate(answer: str, right: bool, rng: random.Random) -> str:
-    """A completion of the built-in task that roles.reward.accuracy marks right (right=True) or
+    """A completion of the built-in task that tasks.rewards.accuracy marks right (right=True) or
     wrong, in the shapes a policy writes: the sum; one digit off, a near miss, a slip or any sum
-    (utils.data.wrong_answer); extra or dropped digits; an empty reply; trailing junk or a
+    (tasks.data.wrong_answer); extra or dropped digits; an empty reply; trailing junk or a
     trailing number. Hard cases first: one wrong digit is what the judge must see."""
-    from roles.reward import extract_answer, same_answer
 
     while True:
         kind = rng.random()
@@ -158,7 +170,6 @@ def judge_candidate(answer: str, right: bool, rng: random.Random) -> str:
 def judge_examples(rows, n: int, rng: random.Random) -> list[tuple[str, bool, tuple | None]]:
     """n (judge prompt, verdict, span) triples on `rows`, half Yes and half No, in random order.
     span: where the right sum sits in a right candidate's prompt (characters), else None."""
-    from roles.judge import DEFAULT_TEMPLATE, render
 
     head = DEFAULT_TEMPLATE.split("{completion}")[0]
     out = []
@@ -218,7 +229,6 @@ def judge_checkpoint(path: str, seed: int = 0, sft_steps: int = 2400, batch: int
     verdicts on the train split's problems, balanced Yes/No (`judge_batch`). Saved in bf16 (half
     the bytes; held-out agreement unchanged, measured). Returns the saved judge's agreement with
     the accuracy rule on balanced held-out (eval split) candidates, greedy."""
-    from utils.model import load_model
 
     rng = random.Random(f"judge-{seed}")
     train, held_out = arith_rows("train", seed), arith_rows("eval", seed)
@@ -248,7 +258,7 @@ def judge_checkpoint(path: str, seed: int = 0, sft_steps: int = 2400, batch: int
     return judge_agreement(load_model(path).eval(), tok, held, verdicts)
 
 
-# ---------------------------------------------------------------- a tiny tool user (utils/env.py)
+# ---------------------------------------------------------------- a tiny tool user (tasks/env.py)
 
 # Hermes-style tool calls in a short chat format: one special token per role; the end of an
 # assistant turn is EOS followed by a newline the model never emits (as Qwen's "<|im_end|>\n")
@@ -271,7 +281,6 @@ def tool_call_text(a: str, b: str) -> str:
 
 def tool_tokenizer(path: str) -> int:
     """The tokenizer of the tiny tool user (TOOL_TEMPLATE, one token per role and tag); EOS's id."""
-    from utils.data import multiply_rows
 
     texts = []
     for r in multiply_rows("train")[:3000]:
@@ -281,10 +290,9 @@ def tool_tokenizer(path: str) -> int:
 
 
 def tool_episode(row: dict, call: bool, tok: Tokenizer, tools: list):
-    """The token ids of one episode of builtin:multiply as utils/episodes.py builds them (prompt,
+    """The token ids of one episode of builtin:multiply as engines/episodes.py builds them (prompt,
     then turns and template deltas), and the mask of the model's tokens: with `call`, a call of
     the calculator, its result, and the result copied as the answer; else the answer at once."""
-    from utils.episodes import template_delta
 
     eos = min(tok.eos_ids)
     history = [{"role": "user", "content": row["prompt"]}]
@@ -308,9 +316,6 @@ def tool_checkpoint(path: str, seed: int = 0, sft_steps: int = 2000, batch: int 
     (the right product: a model this small cannot compute it, so it guesses). RL then has to
     learn that calling pays. Returns the greedy share of held-out episodes that call, and of
     those whose copy is right (teacher-forced: the tool's true result)."""
-    from utils.data import multiply_rows
-    from utils.env import multiply, schema
-    from utils.model import load_model
 
     rng = random.Random(f"tools-{seed}")
     train = multiply_rows("train", seed)
@@ -345,7 +350,6 @@ def tool_copy_accuracy(model, tok: Tokenizer, tools, n: int = 256) -> dict:
     """Greedy, on held-out problems, teacher-forced: the share whose first token opens a tool
     call, and the share of full tool episodes whose every model token is the argmax (the call's
     arguments and the copied result right)."""
-    from utils.data import multiply_rows
 
     rows = multiply_rows("eval")[:n]
     calls = right = 0
@@ -361,17 +365,15 @@ def tool_copy_accuracy(model, tok: Tokenizer, tools, n: int = 256) -> dict:
     return {"first_token_call": calls / n, "tool_episode_right": right / n}
 
 
-# ---------------------------------------------------------------- a tiny image model (utils/flow_model.py)
+# ---------------------------------------------------------------- a tiny image model (models/flow_dit.py)
 
 def flow_pretrain(model, steps: int, batch: int = 64, lr: float = 3e-3, seed: int = 0,
                   log_every: int = 200) -> list[float]:
-    """Rectified-flow steps in place on `model` (utils.flow_model.FlowModel) on images of the
+    """Rectified-flow steps in place on `model` (models.flow_dit.FlowModel) on images of the
     built-in image task drawn on the fly, always with half id 0 (anywhere): pretraining leaves the
     words "left" / "right" untrained, for RL to teach. t is logit-normal (SD3, Esser et al. 2024);
     AdamW under a one-cycle schedule. Returns each step's loss. Measured (600 steps, lr 3e-3): t
     uniform in [0, 1] left the sampled shapes in fragments where logit-normal t gave whole blobs."""
-    from utils.flow_model import flow_loss, logit_normal
-    from utils.shapes import draw_batch
 
     rng = random.Random(f"flow-{seed}")
     g = torch.Generator().manual_seed(seed)
@@ -396,10 +398,8 @@ def flow_pretrain(model, steps: int, batch: int = 64, lr: float = 3e-3, seed: in
 
 @torch.no_grad()
 def flow_colour_check(model, per_colour: int = 32, ode_steps: int = 20, seed: int = 0) -> dict:
-    """{colour: mean utils.shapes.colour_fraction} of `per_colour` images of each colour (random
+    """{colour: mean tasks.shapes.colour_fraction} of `per_colour` images of each colour (random
     shapes, half 0) sampled from noise with `ode_steps` Euler steps of the ODE."""
-    from utils import flow
-    from utils.shapes import COLOURS, SHAPES, colour_fraction
 
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -419,9 +419,8 @@ def flow_checkpoint(path: str, seed: int = 0, steps: int = 800, batch: int = 64)
     """The tiny image model of Flow-GRPO (assets/flow-tiny): a FlowModel of the default FlowConfig
     (a DiT, ~0.7M parameters, 16 x 16 images) seeded by `seed`, pretrained by `flow_pretrain`.
     Returns the saved model's `flow_colour_check`."""
-    from utils.flow_model import FlowConfig, FlowModel, load_flow, save_flow
 
-    cfg = FlowConfig()
+    cfg = FlowConfig(colours=len(COLOURS), shapes=len(SHAPES), halves=len(HALVES))
     torch.manual_seed(seed)
     model = FlowModel(cfg)
     flow_pretrain(model, steps, batch, seed=seed)
@@ -438,11 +437,9 @@ VL_VISION = {"depth": 2, "embed_dim": 64, "num_heads": 2, "mlp_ratio": 2, "patch
 
 
 def vl_config(path: str) -> ModelConfig:
-    """The tokenizer of the squares task (utils/squares.py) and a preprocessor_config.json written to
+    """The tokenizer of the squares task (tasks/squares.py) and a preprocessor_config.json written to
     `path` -> a tiny Qwen2-VL's config: TINY's decoder, VL_VISION's tower, M-RoPE over 4+6+6 of the
     16 rotary frequencies of a 32-dim head."""
-    from utils import squares, vision
-    from utils.data import train_tokenizer
 
     eos = train_tokenizer(squares.vl_tokenizer_texts(), path, 512, squares.VL_TEMPLATE, squares.VL_SPECIAL)
     vision.write_preprocessor_config(path)
@@ -455,8 +452,6 @@ def vl_config(path: str) -> ModelConfig:
 
 def vl_sft_loss(model, rows, tok: Tokenizer, eos: int):
     """The mean NLL of the answers (and EOS) of rows with ImagePrompt ids, right-padded."""
-    from utils.model import attention_mask
-    from utils.vl_model import rope_index
 
     seqs = [list(r["ids"]) + tok.encode(r["answer"]) + [eos] for r in rows]
     masks = [[0] * len(r["ids"]) + [1] * (len(s) - len(r["ids"])) for r, s in zip(rows, seqs)]
@@ -473,10 +468,6 @@ def vl_sft_loss(model, rows, tok: Tokenizer, eos: int):
 def vl_answers(path: str, n: int = 256, temperature: float = 1.0, seed: int = 0) -> tuple[list, list]:
     """(rows, answers): the checkpoint at `path` on builtin:squares' first n held-out questions, one
     sample each through the native engine."""
-    from utils.data import load_rows, tokenize_rows
-    from utils.engines import NativeEngine, SamplingParams
-    from utils.model import iter_checkpoint, read_config
-    from utils.squares import NAME
 
     tok = Tokenizer(path)
     rows = tokenize_rows(load_rows(NAME, "eval", "prompt", "answer")[:n], tok, 256)[0]
@@ -490,7 +481,6 @@ def vl_answers(path: str, n: int = 256, temperature: float = 1.0, seed: int = 0)
 def vl_accuracy(path: str, n: int = 256, seed: int = 0) -> float:
     """Held-out accuracy of the checkpoint at `path` on builtin:squares: one sample per prompt at
     temperature 1 (as the training run's evaluation)."""
-    from roles.reward import accuracy
 
     rows, texts = vl_answers(path, n, 1.0, seed)
     return sum(accuracy(None, texts, [r["answer"] for r in rows])) / len(rows)
@@ -505,8 +495,6 @@ def vl_checkpoint(path: str, seed: int = 0, steps: int = 700, batch: int = 32, l
     noise / 5 (0.52 at 0.6), so it is partly right and RL has something to lift. (Stopping the
     clean steps early instead, at 0.55 held-out, RL at lr 2e-3 lifted it by 0.17 in 176 steps; noisy
     answers from the start taught nothing in 700 steps.) Returns the held-out accuracy."""
-    from utils.data import load_rows, tokenize_rows
-    from utils.squares import NAME
 
     cfg = vl_config(path)
     tok = Tokenizer(path)
@@ -546,7 +534,7 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judge", action="store_true", help="write the tiny judge (roles/judge.py)")
     ap.add_argument("--tools", action="store_true", help="write the tiny tool user (builtin:multiply)")
-    ap.add_argument("--flow", action="store_true", help="write the tiny image model (utils/flow_model.py)")
+    ap.add_argument("--flow", action="store_true", help="write the tiny image model (models/flow_dit.py)")
     ap.add_argument("--vl", action="store_true", help="write the tiny Qwen2-VL (builtin:squares)")
     a = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the same float reduction order, hence the same bits, each run

@@ -1,4 +1,4 @@
-"""The built-in image task of the flow model (utils/flow_model.py, Flow-GRPO): "a red circle",
+"""The built-in image task of the flow model (models/flow_dit.py, Flow-GRPO): "a red circle",
 "a blue triangle on the left". One filled shape of one colour on a dark background, drawn on
 the fly at any size; a prompt is three ids (colour, shape, half), half 0 = "anywhere".
 

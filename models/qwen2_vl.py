@@ -1,4 +1,4 @@
-"""Qwen2-VL (HF's Qwen2VLForConditionalGeneration) on top of utils.model's decoder: the vision
+"""Qwen2-VL (HF's Qwen2VLForConditionalGeneration) on top of models.decoder's decoder: the vision
 tower, the splice of its output at the image-pad tokens, and M-RoPE.
 
 The tower is a ViT over patches of 2 frames x 14 x 14 pixels (an image is its own frame twice), with
@@ -10,7 +10,7 @@ each rotary frequency of a head reads one of the three (`mrope_section` says how
 
 Parameter names are HF's legacy ones, which transformers 5 still writes to disk and vLLM reads:
 `visual.*` beside the decoder's `model.*` and `lm_head.weight`; transformers 5's in-memory names
-(`model.language_model.*`, `model.visual.*`) load too (utils.model.legacy_name).
+(`model.language_model.*`, `model.visual.*`) load too (models.hf.legacy_name).
 
 Supported: Qwen2-VL on images (Qwen/Qwen2-VL-2B/7B/72B-Instruct's architecture). Refused, with a
 UserError naming the architecture (REFUSED): Qwen2.5-VL (RMSNorm + SwiGLU vision blocks, window
@@ -18,148 +18,17 @@ attention outside `fullatt_block_indexes`, patches reordered by window) and Qwen
 features added into early decoder layers, interleaved M-RoPE, a learned position embedding in the
 tower). Videos are not handled: `video_token_id` is kept in the config only.
 
-utils.model imports this module inside its functions (build, ModelConfig.from_hf / to_hf /
-num_params): this module imports utils.model at the top.
+Its config.json side (`Vision`, the flattening of vision_config, the refused architectures) is in
+models/config.py; models/hf.py picks `VLTransformer` for a config with `vision`.
 """
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.config import ModelConfig, Vision
+from models.decoder import Transformer, attention_mask, rotate_half
 from utils.errors import UserError
-from utils.model import ModelConfig, Transformer, rotate_half
-
-ARCH = "Qwen2VLForConditionalGeneration"
-REFUSED = {
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (its vision tower's RMSNorm + SwiGLU blocks and "
-                                          "window attention with fullatt_block_indexes)",
-    "Qwen3VLForConditionalGeneration": "Qwen3-VL (deepstack features, interleaved M-RoPE, the tower's "
-                                       "learned position embedding)",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE (a mixture-of-experts decoder besides Qwen3-VL's "
-                                          "vision differences)",
-}
-# config.json keys that sit at the top level in transformers 5's layout, beside text_config and
-# vision_config; every other key belongs to the language model (in the legacy layout, that of the
-# Qwen2-VL model cards, all are at the top level)
-TOP_KEYS = ("architectures", "model_type", "image_token_id", "video_token_id", "vision_start_token_id",
-            "vision_end_token_id", "vision_token_id", "tie_word_embeddings", "transformers_version",
-            "dtype", "torch_dtype")
-# transformers' Qwen2VLConfig defaults, used when config.json leaves a key out
-IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, MROPE_SECTION = 151655, 151652, [16, 24, 24]
-
-
-def refusal(arch: str) -> UserError:
-    return UserError(f"{arch} in config.json: {REFUSED[arch]} is not supported; this trainer's "
-                     f"vision-language model is Qwen2-VL ({ARCH}, e.g. Qwen/Qwen2-VL-2B-Instruct)")
-
-
-# ---------------------------------------------------------------- config.json
-
-@dataclass(frozen=True)
-class Vision:
-    """The tower's dimensions, read from a vision_config dict (either layout) with HF's defaults."""
-    depth: int
-    embed_dim: int
-    num_heads: int
-    mlp_ratio: float
-    out_size: int  # the language model's hidden size (vision_config's `hidden_size`)
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    rope_theta: float = 10000.0
-
-    @classmethod
-    def of(cls, v: dict) -> "Vision":
-        return cls(depth=v.get("depth", 32), embed_dim=v.get("embed_dim", 1280),
-                   num_heads=v.get("num_heads", 16), mlp_ratio=v.get("mlp_ratio", 4),
-                   out_size=v.get("hidden_size", 3584),
-                   patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
-                   spatial_merge_size=v.get("spatial_merge_size", 2),
-                   in_channels=v.get("in_channels", v.get("in_chans", 3)),  # in_chans: the legacy name
-                   rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-
-    @property
-    def patch_dim(self) -> int:
-        """Pixels in one flattened patch: 3 * 2 * 14 * 14 = 1176."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
-
-    def num_params(self) -> int:
-        e, m, merged = self.embed_dim, self.mlp_dim, self.embed_dim * self.spatial_merge_size ** 2
-        # two LayerNorms, qkv, proj, fc1, fc2
-        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
-        merger = 2 * e + (merged * merged + merged) + (merged * self.out_size + self.out_size)
-        return e * self.patch_dim + self.depth * block + merger
-
-
-def flatten_config(d: dict) -> tuple[dict, dict]:
-    """A Qwen2-VL config.json, transformers 5's layout (text_config and vision_config sub-dicts,
-    rope_parameters with mrope_section) or the legacy one (text keys at the top level, rope_scaling
-    {"type": "mrope", "mrope_section": ...}) -> (the language model's keys as one flat dict, as a
-    Qwen2 config.json has them, with plain RoPE; ModelConfig's VL fields)."""
-    flat = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
-    flat.update(d.get("text_config") or {})
-    # as transformers' Qwen2VLConfig: the top-level value, else one that an older save left in text_config
-    flat["tie_word_embeddings"] = bool(d.get("tie_word_embeddings") or flat.get("tie_word_embeddings"))
-    # as transformers' Qwen2VLTextConfig: rope_scaling (the legacy {"type": "mrope"}), if any, wins over
-    # rope_parameters; "mrope" is plain RoPE whose frequencies read three positions
-    scaling, parameters = flat.pop("rope_scaling", None), flat.pop("rope_parameters", None)
-    rope = dict(scaling or parameters or {})
-    section = list(rope.pop("mrope_section", MROPE_SECTION))
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    flat["rope_theta"] = rope.pop("rope_theta", flat.get("rope_theta", 1e6))  # 1e6: transformers' default
-    if kind not in ("default", "mrope") or rope:
-        raise UserError(f"config.json: Qwen2-VL's RoPE is {kind!r} with {rope}; only plain M-RoPE "
-                        "(rope_theta and mrope_section) is implemented here")
-    hidden, heads = flat.get("hidden_size", 0), flat.get("num_attention_heads", 1)
-    if flat.get("head_dim", hidden // heads) != hidden // heads:
-        raise UserError(f"config.json: head_dim {flat['head_dim']} is not hidden_size / num_attention_heads; "
-                        "transformers' and vLLM's Qwen2-VL ignore head_dim, so the checkpoint means another "
-                        "model to each of them: remove head_dim")
-    if sum(section) * 2 != hidden // heads:
-        raise UserError(f"config.json: mrope_section {section} sums to {sum(section)}, but a head of "
-                        f"{hidden // heads} dims has {hidden // heads // 2} rotary frequencies; the sections "
-                        "must cover them")
-    vision = dict(d.get("vision_config") or {})
-    if vision.get("hidden_act", "quick_gelu") != "quick_gelu":
-        raise UserError(f"config.json: vision_config.hidden_act {vision['hidden_act']!r}: Qwen2-VL's tower "
-                        "is implemented with quick_gelu only")
-    v = Vision.of(vision)
-    if v.out_size != hidden:
-        raise UserError(f"config.json: vision_config.hidden_size {v.out_size} (the merger's output) differs "
-                        f"from the language model's hidden_size {hidden}")
-    if v.embed_dim % v.num_heads or (v.embed_dim // v.num_heads) % 4:
-        raise UserError(f"config.json: vision_config embed_dim {v.embed_dim} / num_heads {v.num_heads} "
-                        "must be a head size divisible by 4 (half of it rotates with the row, half with the "
-                        "column)")
-    fields = dict(vision=vision, image_token_id=flat.pop("image_token_id", IMAGE_TOKEN_ID),
-                  vision_start_token_id=flat.pop("vision_start_token_id", VISION_START_TOKEN_ID),
-                  mrope_section=section)
-    return flat, fields
-
-
-def nest_config(flat: dict, cfg: ModelConfig) -> dict:
-    """ModelConfig.to_hf's flat dict of a Qwen2-VL -> transformers 5's layout, the one
-    transformers 5.19 writes and vLLM 0.32 loads (through transformers' Qwen2VLConfig)."""
-    text = dict(flat)
-    top = {k: text.pop(k) for k in TOP_KEYS if k in text}
-    text.pop("rope_scaling", None)  # transformers reads rope_scaling before rope_parameters: one place only
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                               "mrope_section": list(cfg.mrope_section)}
-    text["model_type"] = "qwen2_vl_text"
-    # the dtype a save wrote into a sub-config would outlive the next save in another dtype: save_model
-    # writes the model's dtype at the top level only
-    vision = {k: v for k, v in cfg.vision.items() if k not in ("dtype", "torch_dtype")}
-    top.update(architectures=[ARCH], model_type="qwen2_vl", text_config=text, vision_config=vision,
-               image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
-               tie_word_embeddings=cfg.tie_word_embeddings)
-    return top
-
 
 # ---------------------------------------------------------------- M-RoPE positions
 
@@ -356,7 +225,7 @@ class VisionTower(nn.Module):
 # ---------------------------------------------------------------- the language model
 
 class VLTransformer(Transformer):
-    """utils.model's decoder with HF's `visual` tower beside it and M-RoPE; `model.layers` as in
+    """models.decoder's decoder with HF's `visual` tower beside it and M-RoPE; `model.layers` as in
     the text decoder (FSDP2 wraps each layer; the tower is in the root's group)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -366,6 +235,10 @@ class VLTransformer(Transformer):
     def init_buffers(self):
         super().init_buffers()
         self.visual.init_buffers()
+
+    def batch_inputs(self, batch) -> dict:
+        """The causal mask over a packed batch, its rows' M-RoPE positions and images (batch_inputs)."""
+        return {"mask": attention_mask(batch["valid"]), **batch_inputs(self.config, batch)}
 
     def init_weights(self, seed: int = 0, std: float = 0.02):
         super().init_weights(seed, std)
@@ -391,7 +264,7 @@ class VLTransformer(Transformer):
         text only; after a prefill with images, decode at deltas + step). Pass pixels of shape
         [0, 1176] for a batch without images where ranks must run the same modules (FSDP).
         prompt_len: image pads from this column on are text (a sampled one); feature_rows [M]: the
-        row of the tower's output each image-pad takes (when images repeat: utils.vl_model.images_of);
+        row of the tower's output each image-pad takes (when images repeat: models.qwen2_vl.images_of);
         targets, temperature: as Transformer.forward."""
         h = self.model.embed_tokens(tokens)  # [B, S, h]
         if pixels is not None:
@@ -417,7 +290,7 @@ def images_of(rows: list, cfg: ModelConfig, device) -> tuple:
     [N, 1176] and grids [n, 3] long of the distinct images; grids [n', 3] of every row's images in
     order; feature_rows [M] long, the row of the tower's output that each image-pad token of the
     rows takes). No image: pixels [0, 1176], so that every rank still runs the tower (FSDP2's
-    collectives pair up). rows: per row, (patches, grids) or None (utils.data.make_batch's `images`)."""
+    collectives pair up). rows: per row, (patches, grids) or None (tasks.data.make_batch's `images`)."""
     merge, first = Vision.of(cfg.vision).spatial_merge_size, {}  # first: id(patches) -> its feature rows
     pixels, grids, row_grids, feature_rows, done = [], [], [], [], 0
     for x in rows:
@@ -440,7 +313,7 @@ def images_of(rows: list, cfg: ModelConfig, device) -> tuple:
 
 
 def batch_inputs(cfg: ModelConfig, batch) -> dict:
-    """forward's positions, images and prompt_len for a packed batch (utils.data.make_batch): the
+    """forward's positions, images and prompt_len for a packed batch (tasks.data.make_batch): the
     prompts' M-RoPE positions (rope_index over the first prompt_len columns), the completions'
     going on 1-D from each prompt's deltas, as the engines decode them."""
     ids, valid, P = batch["input_ids"], batch["valid"], batch["prompt_len"]

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from utils import algos
+from rl import algos
 
 SDES = ("flow_grpo", "dance_grpo", "ode")
 
@@ -157,7 +157,7 @@ def recompute(velocity, xs, cond, ts, step_ids, sde: str, noise_level: float):
     """The log-prob of each stored x_{j+1} given x_j under the current `velocity`, at the trained
     steps j in step_ids [J] (what the loss differentiates). Same step code as `sample`: before
     any update it returns the rollout's log-probs exactly, given the rollout's batch (a part of it
-    goes through other GEMM kernels: ~1e-7 off, measured with utils/flow_model.py on CPU, far
+    goes through other GEMM kernels: ~1e-7 off, measured with models/flow_dit.py on CPU, far
     inside a clip range of 1e-4). xs [B, S + 1, C, H, W] -> (logp [B, J], mean [B, J, C, H, W])."""
     B, ts = xs.shape[0], ts.to(xs.device)
     logps, means = [], []

@@ -1,4 +1,4 @@
-"""Environments for multi-turn episodes (utils/episodes.py runs them, token in, token out).
+"""Environments for multi-turn episodes (engines/episodes.py runs them, token in, token out).
 
 An environment is a class with two methods; one instance, made with Guess(), plays one episode:
 
@@ -26,8 +26,8 @@ the episode (its text is the answer the rewards score). A bad call (invalid JSON
 wrong arguments) or a tool that raises, hangs, dies, returns no text or too much gets an error
 message back and is counted by kind (`ERRORS`); it never ends the run.
 
-The built-in task that needs a tool: `builtin:multiply` (utils/data.py) with `--tools
-utils.env:multiply`.
+The built-in task that needs a tool: `builtin:multiply` (tasks/data.py) with `--tools
+tasks.env:multiply`.
 """
 import importlib
 import inspect
@@ -39,10 +39,10 @@ import signal
 import subprocess
 import sys
 import time
-import types
 import typing
 from collections import Counter
 
+from utils.callables import described, json_type
 from utils.errors import UserError
 
 ERRORS = ("bad_json", "unknown_tool", "bad_arguments", "raised", "timeout", "crashed", "non_text", "too_long")
@@ -80,30 +80,12 @@ class Retry:
 def load(spec: str, flag: str):
     """'module:name' -> the object, or one error naming the flag."""
     if ":" not in spec:
-        raise UserError(f"{flag} {spec!r}: use 'module:name' (e.g. utils.env:multiply)")
+        raise UserError(f"{flag} {spec!r}: use 'module:name' (e.g. tasks.env:multiply)")
     module, name = spec.split(":", 1)
     try:
         return getattr(importlib.import_module(module), name)
     except Exception as e:  # not found, or the module fails on import
         raise UserError(f"{flag} {spec!r} could not be loaded: {type(e).__name__}: {e}") from None
-
-
-JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
-ARGS_LINE = re.compile(r"^\s+(\w+)(?: \([^)]*\))?: (.+)$", re.M)  # `name: text` under a docstring's Args:
-
-
-def json_type(hint) -> str | None:
-    """A parameter's JSON schema type from its annotation (int -> "integer", list[int] -> "array",
-    `X | None` -> X's), or None where JSON schema has no type for it."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        hint = args[0] if args[1] is type(None) else args[1]
-    return JSON_TYPES.get(typing.get_origin(hint) or hint)
-
-
-def described(doc: str) -> dict:
-    """{parameter: its description} from the `name: text` lines under a docstring's Args:."""
-    return dict(ARGS_LINE.findall(doc.split("Args:", 1)[1])) if "Args:" in doc else {}
 
 
 def schema(fn) -> dict:
@@ -207,7 +189,7 @@ class ToolWorker:
             resource.setrlimit(resource.RLIMIT_AS, (mb << 20, mb << 20))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "utils.env", *self.specs], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.env", *self.specs], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=limits,
                                      env={**os.environ, "PYTHONPATH": path})
         self.pending = b""
@@ -269,7 +251,7 @@ def as_text(value) -> tuple[str | None, str | None]:
 
 
 def serve(specs: list[str]):
-    """The worker's loop (`python -m utils.env module:fn ...`, started by ToolWorker): one JSON
+    """The worker's loop (`python -m tasks.env module:fn ...`, started by ToolWorker): one JSON
     line in, one out, per call."""
     out = os.fdopen(os.dup(1), "w")  # the answers' channel; the tools' own prints go nowhere
     quiet = os.open(os.devnull, os.O_WRONLY)

@@ -88,67 +88,6 @@ def aggregate(per_token, mask, mode: str, norm: float, max_len: int | None = Non
     raise ValueError(f"unknown loss aggregation {mode!r}; use token, sequence or constant")
 
 
-def token_logprobs(logits, tokens, temperature: float = 1.0):
-    """log softmax(logits / T) at `tokens`: logits [B, T, V], tokens [B, T] -> [B, T]."""
-    logp = torch.log_softmax(logits.float() / temperature, -1)  # [B, T, V]
-    # a tensor of its own, not a view of the gather's [B, T, 1]: the model returns it from its FSDP2
-    # root, and FSDP2 warns that an in-place op on a returned view would skip its pre-backward hook
-    return logp.gather(-1, tokens[..., None]).squeeze(-1).clone()  # [B, T]
-
-
-LOGITS_BUDGET = 2 ** 28  # bytes of fp32 logits made at once by head_logprobs (256 MiB)
-
-
-def head_logprobs(h, weight, tokens, temperature: float = 1.0, budget: int | None = None):
-    """token_logprobs((h @ weight.T)[:, :T], tokens, temperature) without the whole batch's logits
-    at once: h [B, S, hidden] (S >= T), weight [V, hidden] (the lm_head), tokens [B, T] -> [B, T]
-    fp32. Rows go in chunks whose fp32 logits fit `budget`; the backward makes each chunk's logits
-    again from h and the saved log-normaliser (one more head matmul per chunk) instead of keeping
-    them (Liger's fused linear cross-entropy does the same for a mean loss; here the upstream
-    gradient is any [B, T]).
-    A batch whose logits fit the budget is one chunk, computed as lm_head then token_logprobs are
-    (the same ops, the same bits: over all S positions, as the trainer always made them; a matmul of
-    other rows can round otherwise). At a 152K vocabulary, 64 rows x 256 tokens of fp32 logits are
-    10 GB; here they are 256 MiB at most."""
-    B, S, _ = h.shape
-    T = tokens.shape[1]
-    rows = max(1, (budget or LOGITS_BUDGET) // max(1, S * weight.shape[0] * 4))
-    if rows >= B:
-        return token_logprobs(torch.nn.functional.linear(h, weight).float()[:, :T], tokens, temperature)
-    return _HeadLogprobs.apply(h[:, :T], weight, tokens, temperature, rows)
-
-
-class _HeadLogprobs(torch.autograd.Function):
-    """head_logprobs over row chunks: saves h, the weight and each token's log-normaliser [B, T]."""
-
-    @staticmethod
-    def forward(ctx, h, weight, tokens, temperature: float, rows: int):
-        out, lse = [], []
-        for i in range(0, h.shape[0], rows):
-            z = torch.nn.functional.linear(h[i:i + rows], weight).float() / temperature  # [r, T, V]
-            norm = torch.logsumexp(z, -1)  # [r, T]
-            out.append(z.gather(-1, tokens[i:i + rows, :, None])[..., 0] - norm)
-            lse.append(norm)
-        ctx.save_for_backward(h, weight, tokens, torch.cat(lse))
-        ctx.temperature, ctx.rows = temperature, rows
-        return torch.cat(out)  # [B, T]
-
-    @staticmethod
-    def backward(ctx, grad):
-        """d logp_t / d z = onehot(t) - softmax(z), z = logits / temperature; grad [B, T]."""
-        h, weight, tokens, lse = ctx.saved_tensors
-        grad_h, grad_w = torch.empty_like(h), torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
-        for i in range(0, h.shape[0], ctx.rows):
-            hc, g = h[i:i + ctx.rows], grad[i:i + ctx.rows]  # [r, T, hidden], [r, T]
-            z = torch.nn.functional.linear(hc, weight).float() / ctx.temperature  # [r, T, V]
-            dz = torch.exp(z - lse[i:i + ctx.rows, :, None]).mul_(-g[..., None])  # [r, T, V] -softmax * g
-            dz.scatter_add_(-1, tokens[i:i + ctx.rows, :, None], g[..., None])  # + onehot * g
-            dz = (dz / ctx.temperature).to(h.dtype)
-            grad_h[i:i + ctx.rows] = dz @ weight  # [r, T, hidden]
-            grad_w += dz.flatten(0, 1).t().float() @ hc.flatten(0, 1).float()  # [V, hidden]
-        return grad_h, grad_w.to(weight.dtype), None, None, None
-
-
 # ---------------------------------------------------------------- PPO with a critic
 
 def token_rewards(score, kl, mask, kl_coef: float):

@@ -242,11 +242,11 @@ def pixel_limits(path: str) -> tuple[int, int]:
     expect = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": TEMPORAL}
     for key, value in expect.items():
         if conf.get(key, value) != value:
-            raise UserError(f"{file}: {key} {conf[key]}; this trainer's image processor (utils/vision.py) "
+            raise UserError(f"{file}: {key} {conf[key]}; this trainer's image processor (models/vision.py) "
                             f"takes {value}")
     for key, value in (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)):
         if not np.allclose(conf.get(key, value), value):
-            raise UserError(f"{file}: {key} {conf[key]}; utils/vision.py normalises with OpenAI CLIP's "
+            raise UserError(f"{file}: {key} {conf[key]}; models/vision.py normalises with OpenAI CLIP's "
                             f"{value}")
     size = conf.get("size") or {}
     low = size.get("shortest_edge", conf.get("min_pixels", MIN_PIXELS))

@@ -4,14 +4,14 @@ as one native engine while training stays FSDP2 over all ranks.
 Megatron-LM's split of a decoder block (Shoeybi et al. 2019): q/k/v and gate/up are
 column-parallel (each rank keeps its rows: H/K query heads, KV/K key-value heads, I/K of the MLP),
 o_proj and down_proj row-parallel (each rank keeps the matching columns and computes a partial
-sum, all-reduced over the group: two all-reduces per block, utils/decode.py `FusedDecoder`); the
+sum, all-reduced over the group: two all-reduces per block, engines/decode.py `FusedDecoder`); the
 embedding, the norms and the head stay whole on every rank, so each rank computes the same
 logits and samples the same tokens. Each sync gathers the full weights block by block from the
 FSDP2 shards, as colocate always does (placement.sync), and each rank keeps its part (`part`):
 the engine holds 1/K of the blocks' weights and of the KV cache's heads. The K ranks of a group
 generate their prompts together, in lockstep (`TPEngine`). With --engine vllm the group is vLLM's
 own tensor-parallel workers in the same ranks (its external_launcher executor): they take the
-full weights and shard them by vLLM's loader (utils/engines.py `make_engine`).
+full weights and shard them by vLLM's loader (engines/native.py `make_engine`).
 """
 import dataclasses
 import datetime
@@ -19,7 +19,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from utils.engines import Engine, Samples
+from engines.base import Engine, Samples
+from models.hf import read_config
 from utils.errors import UserError
 
 COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # their output rows split
@@ -125,10 +126,9 @@ def group_of(rank: int, world: int, k: int, timeout_s: float):
 def check_args(args, world: int):
     """--gen-tp against the other flags and the model (after the model is resolved): what it is
     not built for is refused with what to change."""
-    k = args.layout.gen_tp
+    k = args.placement.gen_tp
     if k == 1:
         return
-    from utils.model import read_config
 
     cfg = read_config(args.data.model)
     env = getattr(args, "env", None)

@@ -12,148 +12,16 @@ import random
 import warnings
 from typing import TYPE_CHECKING, TypedDict
 
-from tokenizers import Tokenizer as HFTokenizer
-
-from utils import squares, vision
+from models import vision
+from models.tokenizer import Tokenizer
+from tasks import squares
 from utils.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
 BUILTIN = "builtin:arith"
-MULTIPLY = "builtin:multiply"  # needs its tool: --tools utils.env:multiply (utils/env.py)
-EOS = "<|endoftext|>"
-
-
-def read_json(file: str):
-    """A JSON file's content, or a UserError naming the file and the place it breaks."""
-    with open(file) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, "
-                            f"column {e.colno}") from None
-
-
-def check_same_tokenizer(path: str, flag: str, policy: str, why: str):
-    """A model that reads the policy's token ids (the critic, a reward model) must share its
-    vocabulary, token for id; else one error naming both directories and `why` it must."""
-    try:
-        mine = Tokenizer(path).tok.get_vocab(with_added_tokens=True)
-    except FileNotFoundError:
-        mine = None
-    if mine != Tokenizer(policy).tok.get_vocab(with_added_tokens=True):
-        has = "no tokenizer.json, not the tokenizer of" if mine is None else "another tokenizer than"
-        raise UserError(f"{flag} {path} has {has} --model {policy}: {why}")
-
-
-class Tokenizer:
-    """tokenizer.json via the `tokenizers` library, plus tokenizer_config.json's special
-    tokens and chat template (rendered with jinja2, as transformers does)."""
-
-    def __init__(self, path: str):
-        self.path, file = path, os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"{path!r} has no tokenizer.json (a fast tokenizer is required)")
-        try:
-            self.tok = HFTokenizer.from_file(file)
-        except Exception as e:  # the tokenizers library's own error: a broken or foreign file
-            raise UserError(f"{file} is not a readable tokenizer ({e})") from None
-        conf = {}
-        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            conf = read_json(os.path.join(path, "tokenizer_config.json"))
-        self.chat_template, self._template = conf.get("chat_template"), None
-        if self.chat_template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
-            with open(os.path.join(path, "chat_template.jinja")) as f:
-                self.chat_template = f.read()
-        tokname = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
-        self.eos_token, self.bos_token = tokname(conf.get("eos_token")), tokname(conf.get("bos_token"))
-        self.eos_ids = set()
-        if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
-            self.eos_ids.add(self.tok.token_to_id(self.eos_token))
-        for name in ("config.json", "generation_config.json"):  # HF lists extra stop ids here
-            if os.path.isfile(os.path.join(path, name)):
-                eos = read_json(os.path.join(path, name)).get("eos_token_id")
-                self.eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        pad = tokname(conf.get("pad_token"))
-        self.pad_id = self.tok.token_to_id(pad) if pad else None
-        if self.pad_id is None:
-            self.pad_id = min(self.eos_ids) if self.eos_ids else 0
-
-    def encode(self, text: str, special: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
-
-    def decode_batch(self, batch) -> list[str]:
-        return self.tok.decode_batch([list(x) for x in batch], skip_special_tokens=True)
-
-    def render(self, prompt, tools: list | None = None) -> tuple[str, bool]:
-        """Prompt (a string or a list of chat messages) -> (text, whether special tokens are
-        still to be added by encode). The chat template is applied when the tokenizer has one;
-        `tools`: tool schemas (utils.env.schema) for the template."""
-        if self.chat_template is None and (not isinstance(prompt, str) or tools):
-            raise UserError(f"a prompt is a list of chat messages (or offers tools), but the tokenizer in "
-                            f"{self.path} has no chat template (tokenizer_config.json's chat_template, or "
-                            "chat_template.jinja): add one there, or give --prompt-column a column of "
-                            "strings")
-        if self.chat_template is None:
-            return prompt, True
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.chat(messages, True, tools), False  # the template already holds the special tokens
-
-    def chat(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
-        """The chat template's text of `messages` (rendered with jinja2, as transformers does)."""
-        if self._template is None:  # compiled once
-            import jinja2
-
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(msg):
-                raise UserError(msg)
-
-            env.globals["raise_exception"] = raise_exception
-            env.filters["tojson"] = _tojson  # transformers' (jinja's own escapes HTML)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def train_tokenizer(texts, path: str, vocab_size: int = 512, chat_template: str | None = None,
-                    special: tuple = (), added: tuple = ()):
-    """A byte-level BPE tokenizer trained offline in well under a second; digits stay single
-    tokens so that arithmetic is learnable. `special`: special tokens besides EOS (skipped when
-    decoding); `added`: whole tokens that decode as text (tags such as <tool_call>). Writes
-    tokenizer.json + tokenizer_config.json."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *special],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    if added:
-        from tokenizers import AddedToken
-
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
-    os.makedirs(path, exist_ok=True)
-    tok.save(os.path.join(path, "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
-            "model_max_length": 2048}
-    if chat_template:
-        conf["chat_template"] = chat_template
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(conf, f, indent=2)
-    return tok.token_to_id(EOS)
-
+MULTIPLY = "builtin:multiply"  # needs its tool: --tools tasks.env:multiply (tasks/env.py)
 
 # ---------------------------------------------------------------- the built-in task
 
@@ -187,7 +55,7 @@ def arith_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 25
 
 def multiply_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int = 256) -> list[dict]:
     """Products of 2-3-digit integers: a tiny model cannot multiply in its head, but it can call
-    a calculator tool (utils.env.multiply) and copy the result. Eval problems never in train."""
+    a calculator tool (tasks.env.multiply) and copy the result. Eval problems never in train."""
     def problem(rng):
         a, b = rng.randrange(10, 1000), rng.randrange(10, 1000)
         return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
@@ -258,7 +126,7 @@ def load_rows(source: str, split: str, prompt_column: str, answer_column: str | 
     shipped tiny model's warm start never saw its eval split.
     image_column: each row's image or list of images ('auto': 'images' if the dataset has that
     column, else 'image', else none; None: no images). Such rows get 'images' (uint8 [H, W, 3]
-    arrays, utils/vision.py read_image; a path may be relative to the dataset file's folder) and a
+    arrays, models/vision.py read_image; a path may be relative to the dataset file's folder) and a
     prompt of chat messages with one {"type": "image"} part per image."""
     root = None  # where relative image paths start
     if source in TASKS:
@@ -355,9 +223,9 @@ def _unreadable(source: str, ext: str, error: Exception) -> str:
 
 def tokenize_rows(rows, tok: Tokenizer, max_prompt_tokens: int, tools: list | None = None):
     """Adds 'text' and 'ids' to each row; rows whose prompt is longer than the limit are
-    dropped. A row's 'prompt_messages' (an environment's opening, utils/episodes.py) are rendered
+    dropped. A row's 'prompt_messages' (an environment's opening, engines/episodes.py) are rendered
     instead of its prompt, with `tools` (schemas) for the template. A row with 'images' gets an
-    ImagePrompt (utils/vision.py): its <|image_pad|> expanded to each image's tokens, and it is
+    ImagePrompt (models/vision.py): its <|image_pad|> expanded to each image's tokens, and it is
     dropped whole when those make it too long, never cut. Returns (kept rows, number skipped)."""
     kept, skipped = [], 0
     images = None  # the tokenizer's vision.ImageTokens, made at the first row with images
@@ -595,7 +463,7 @@ class Batch(TypedDict, total=False):
 
 def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu",
                model_mask=None) -> Batch:
-    """The training layout of a rank's samples (input_ids, valid, prompt_len, loss_mask of
+    """The training batch of a rank's samples (input_ids, valid, prompt_len, loss_mask of
     `Batch`). prompts: one id list per row; tokens [N, T], lengths [N] from the engine;
     model_mask [N, T] (episodes): 0 on the environment's tokens, which leave the loss."""
     import torch
@@ -613,9 +481,9 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     loss_mask = completion.float() if model_mask is None else completion * model_mask
     batch = {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
              "loss_mask": loss_mask.to(device)}
-    if any(getattr(p, "images", None) for p in prompts):  # a vision-language model's (utils/vision.py)
+    if any(getattr(p, "images", None) for p in prompts):  # a vision-language model's (models/vision.py)
         # per row: (patches [n, 1176], grids [k, 3]), made once per prompt and shared by its samples'
-        # rows (the tower then runs once per image: utils/vl_model.py images_of); None: no image
+        # rows (the tower then runs once per image: models/qwen2_vl.py images_of); None: no image
         made = {}
         for p in prompts:
             if getattr(p, "images", None) and id(p) not in made:
