@@ -1,5 +1,5 @@
 """How a step's scored samples are made: one object per way, chosen once before the loop (`choose`),
-called once a step (`step`, which `make`s the step's Scored and then releases the engine).
+called once a step (`step`, which `make`s the step's RolloutResult and then releases the engine).
 
     OnPolicy         colocate (this rank's own engine, taking turns with training) and disaggregate
                      at --max-staleness 0 (its rollout rank, behind the same engine methods)
@@ -67,7 +67,7 @@ class DynamicSamplingArgs:
 
 
 @dataclass
-class Scored:
+class RolloutResult:
     """One step's samples on this rank: n per prompt, prompt-major (N = prompts * n)."""
     rows: list[dict]  # this rank's prompts, one per group (ids, prompt, answer, other columns)
     samples: Samples  # [N] completions with the engine's log-probs and the policy version
@@ -96,13 +96,13 @@ class OnPolicy:
         self.mask_truncated = bool(overlong and overlong.mask_truncated)
         self.sampling = args.sampling.params(self.n)
 
-    def step(self, step: int, timer) -> Scored:
-        """The step's Scored; the engine then gives its memory back to training (colocate)."""
+    def step(self, step: int, timer) -> RolloutResult:
+        """The step's RolloutResult; the engine then gives its memory back to training (colocate)."""
         got = self.make(step, timer, new_tally())
         self.engine.release()
         return got
 
-    def make(self, step: int, timer, tally) -> Scored:
+    def make(self, step: int, timer, tally) -> RolloutResult:
         args, plan = self.args, self.plan
         rows, seeds = step_prompts(self.rows, step, args.prompts_per_step, args.run_args.seed, plan.rank,
                                    plan.dp)
@@ -115,14 +115,14 @@ class OnPolicy:
         with timer("generate"):
             return self.engine.generate([r["ids"] for r in rows], self.sampling, seeds), None
 
-    def finish(self, rows, out, scores, padded, tally) -> Scored:
+    def finish(self, rows, out, scores, padded, tally) -> RolloutResult:
         """A sample without a reward (or, with --mask-truncated, cut off at the length limit, or
         a dynamic-sampling padding group) is left out of the loss."""
         rewards, parts, failed = scores
         keep = ~failed & ~padded
         if self.mask_truncated:
             keep = keep & torch.tensor([r != "length" for r in out.finish_reasons])
-        return Scored(rows, out, rewards, parts, failed, ~failed, keep, tally=tally)
+        return RolloutResult(rows, out, rewards, parts, failed, ~failed, keep, tally=tally)
 
     def saved(self) -> tuple[dict, dict]:
         """What checkpoints carry of this component: (meta.json extras, this rank's own)."""
@@ -139,7 +139,7 @@ class Ahead(OnPolicy):
         self.in_flight = {}  # step -> (this rank's rows, seeds, ticket)
         self.submitted = None  # the next step whose prompts go out
 
-    def make(self, step: int, timer, tally) -> Scored:
+    def make(self, step: int, timer, tally) -> RolloutResult:
         args = self.args
         if self.submitted is None:
             self.submitted = step
@@ -197,12 +197,12 @@ class DynamicSampling:
             self.stream.load(resumed["rank_state"]["stream"])
         self.ema = resumed.get("ds_ema", DS_INITIAL_EMA)
 
-    def step(self, step: int, timer) -> Scored:
+    def step(self, step: int, timer) -> RolloutResult:
         got = self.make(step, timer, new_tally())
         self.inner.engine.release()
         return got
 
-    def make(self, step: int, timer, tally) -> Scored:
+    def make(self, step: int, timer, tally) -> RolloutResult:
         inner, args, plan = self.inner, self.args, self.plan
         n, target = inner.n, args.prompts_per_step // plan.dp
         drawn, outs, scores = [], [], []  # per wave: row indices, Samples, (rewards, parts, failed)
@@ -269,12 +269,12 @@ class ReMax:
         self.inner = inner
         self.greedy = SamplingParams(1, 0.0, 1.0, 0, inner.args.sampling.max_new_tokens)
 
-    def step(self, step: int, timer) -> Scored:
+    def step(self, step: int, timer) -> RolloutResult:
         got = self.make(step, timer, new_tally())
         self.inner.engine.release()
         return got
 
-    def make(self, step: int, timer, tally) -> Scored:
+    def make(self, step: int, timer, tally) -> RolloutResult:
         inner, plan = self.inner, self.inner.plan
         got = inner.make(step, timer, tally)
         seeds = [prompt_seed(inner.args.run_args.seed, step, plan.rank + i * plan.dp)

@@ -36,7 +36,7 @@ from roles.reward import Reward
 from roles.reward_model import RewardModel
 from roles.rollout import serve
 from roles.teacher import Teacher
-from rollouts import Scored
+from rollouts import RolloutResult
 from tasks.data import BUILTIN, eval_source, load_rows, micro_batches, prompt_seed
 from utils import checkpoint, dist, errors
 from utils.errors import UserError, check_applies, check_rules
@@ -430,7 +430,7 @@ class StepRecord:
     timer: Timer  # the step's phases
     sync: dict  # placement.sync's: the weight sync's seconds and bytes
     metrics: dict  # the held-out evaluation's, when one was due, else {}
-    got: Scored  # this rank's scored samples
+    got: RolloutResult  # this rank's scored samples
     batch: dict  # tasks.data.Batch: one row per completion, with its advantages
     trained: Totals  # update's
 
