@@ -31,7 +31,8 @@ from models.flow_dit import read_flow_config
 from rl import flow
 from roles.flow_actor import FlowActor
 from roles.reward import Reward, resolve
-from run import Flat, Run, RunArgs, parse
+from flags import Flat, RunArgs, parse
+from run import Run
 from tasks import shapes
 from tasks.data import prompt_seed
 from tasks.image_rewards import IMAGE_REWARDS

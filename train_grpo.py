@@ -26,6 +26,7 @@ import torch
 import memory
 import placement
 import rollouts
+import flags
 import run
 from engines.episodes import EnvArgs
 from models.lora import LoraArgs
@@ -37,7 +38,7 @@ from roles import judge as judge_role
 from roles.reward import OverlongArgs, RewardArgs, Scorer
 from roles.teacher import DistillArgs
 from rollouts import DynamicSamplingArgs
-from run import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
+from flags import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
 from tasks.data import make_batch, per_sample
 from utils import dist
 from utils.errors import check_rules
@@ -136,14 +137,14 @@ def check_args(args: Args, world: int):
         ("dual_clip_c", args.dual_clip_c > 1, "use a bound above 1, such as 3"),
         ("gspo_clip_low", 0 <= args.gspo_clip_low < 1, "use a number in [0, 1), such as 3e-4"),
         ("gspo_clip_high", 0 <= args.gspo_clip_high < math.inf, "use 0 or more, such as 4e-4")])
-    layout = run.check_flags(args, world)  # what GRPO and PPO share; the layout: rollout ranks, staleness
+    layout = flags.check_flags(args, world)  # what GRPO and PPO share; the layout: rollout ranks, staleness
     args.overlong.check(args.sampling.max_new_tokens)
     args.dynamic_sampling.check(args)
     args.mismatch.check()
     args.rebalance.check(args, world, layout)
     # the checkpoints last: hub ids become their snapshots (computed at runtime); a vision-language
     # --model refuses what would read its prompts as text
-    run.check_models(args, world, {"--tools": args.env.tools, "--env": args.env.env,
+    flags.check_models(args, world, {"--tools": args.env.tools, "--env": args.env.env,
                                    "--judge-model": args.judge.judge_model,
                                    "--reward-model": args.reward.reward_model,
                                    "--teacher-model": args.distill.teacher_model})
@@ -307,7 +308,7 @@ def train(args: Args, plan, arrival, cfg, tok, prompts: tuple, local_engine):
 
 
 if __name__ == "__main__":
-    args = run.parse(Args, check_args)
+    args = flags.parse(Args, check_args)
     arrival = arrive(args, time.time())  # --rebalance-restart moved the ranks: resume in their layout
     cfg, tok, plan, prompts, local_engine = run.set_up(args)  # the process group, the plan, prompts, engine
     while True:  # each layout of the run: a --rebalance move in process (rebalance.py) goes on here

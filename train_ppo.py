@@ -29,6 +29,7 @@ import torch
 import memory
 import placement
 import rollouts
+import flags
 import run
 from engines.episodes import EnvArgs
 from models.hf import checked_model, read_config
@@ -39,7 +40,7 @@ from rl import algos
 from roles.critic import Critic
 from roles.reward import RewardArgs, Scorer
 from roles.teacher import DistillArgs
-from run import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
+from flags import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
 from tasks.data import make_batch, per_sample
 from utils import dist
 from utils.errors import UserError, check_rules
@@ -131,9 +132,9 @@ def check_args(args: Args, world: int):
     check_rules(args.placement, [("placement", args.placement.placement != "partial", "partial placement "
                 "splits the rollout between a sampler and a judge, which is train_grpo.py's: use colocate or "
                 "disaggregate")])
-    run.check_flags(args, world)  # the flags GRPO and PPO share, and the layout: rollout ranks, staleness
+    flags.check_flags(args, world)  # the flags GRPO and PPO share, and the layout: rollout ranks, staleness
     # the checkpoints last: hub ids become their snapshots (computed at runtime)
-    run.check_models(args, world)
+    flags.check_models(args, world)
     if read_config(args.data.model).vision is not None:
         raise UserError(f"--model {args.data.model} is a vision-language model: PPO's critic would be a "
                         "vision-language value model, which is not implemented; train it with train_grpo.py")
@@ -236,7 +237,7 @@ def log_step(record: run.StepRecord, kl, kl_coef: float, actor, engine, teacher,
 
 
 if __name__ == "__main__":
-    args = run.parse(Args, check_args)
+    args = flags.parse(Args, check_args)
     cfg, tok, plan, (rows, skipped, eval_rows), local_engine = run.set_up(args)  # the process group, the plan
     if plan.role == "rollout":  # disaggregate: this rank only generates, in its own loop, then leaves
         run.run_rollout_rank(plan, local_engine)

@@ -25,7 +25,7 @@ from models.parallelize import load_sharded
 from models.tokenizer import Tokenizer
 from rl.algos import bradley_terry_loss
 from roles.actor import lr_factor
-from run import check_optimizer, parse, writable_dir
+from flags import check_optimizer, parse, writable_dir
 from tasks.data import BUILTIN, load_pairs, make_batch, rank_slice, step_indices, tokenize_pairs
 from utils import dist
 from utils.errors import UserError, check_applies, check_rules

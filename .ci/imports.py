@@ -8,7 +8,7 @@ Layers, lowest first; a file imports only from its own folder or from a lower la
     tasks/    2  datasets, batches and the built-in tasks, their rewards and tool environments
     engines/  3  generation: the native engine and its decode, vLLM, tensor-parallel, episodes
     roles/    4  actor, critic, reference, teacher, reward, judge, rollout
-    (top)     5  run, rollouts, placement, rebalance, memory: what the scripts share
+    (top)     5  flags, run, rollouts, placement, rebalance, memory: what the scripts share
     assets/   6  the builders of the tiny checkpoints (they train with everything below)
     scripts   7  train_*.py, teach_grpo.py
 

@@ -21,7 +21,7 @@ SCRIPTS = ["train_grpo.py", "train_ppo.py", "train_rm.py", "train_flow_grpo.py"]
 
 def flag_docs(cls) -> dict[str, tuple[type, str]]:
     """{flag field: (its type, its docstring, "" if none)} for each field of a flags dataclass, in
-    order; a component's nested flags dataclass (run.Flat[...]: its flags keep their own names) is
+    order; a component's nested flags dataclass (flags.Flat[...]: its flags keep their own names) is
     walked in place."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     types = typing.get_type_hints(cls)

@@ -88,7 +88,7 @@ def last_complete(run_dir: str) -> str:
 
 
 def newest_said(run_dir: str) -> str:
-    """Where a lost peer leaves the run: its newest complete checkpoint, or none (run.parse makes
+    """Where a lost peer leaves the run: its newest complete checkpoint, or none (flags.parse makes
     this utils.errors.newest_checkpoint)."""
     path = find(run_dir)[0]
     if path is None:

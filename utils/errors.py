@@ -48,7 +48,7 @@ def flag(name: str) -> str:
 
 def flags_of(args) -> dict:
     """{field: the flags dataclass holding it} over `args` and the components' flags nested in it
-    (run.Flat: their names are flat, so unique)."""
+    (flags.Flat: their names are flat, so unique)."""
     owners = {}
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
@@ -157,7 +157,7 @@ def _peer_met_mistake() -> bool:
 
 
 def newest_checkpoint() -> str:
-    """Where a lost peer leaves the run, said in its message. run.parse replaces this with
+    """Where a lost peer leaves the run, said in its message. flags.parse replaces this with
     utils.checkpoint.newest_said for the run's --run-dir, which names the checkpoint (errors sits
     below checkpoint, so it cannot look for itself); callers reach it as errors.newest_checkpoint()."""
     return "The newest complete checkpoint in --run-dir is intact: --resume auto goes on from it."
