@@ -22,11 +22,6 @@ RUNS = {"1-rank": (1, []), "2-ranks": (2, []), "2-ranks-micro-batches": (2, ["--
 ENV = {"RL_THREADS": "1"}
 
 
-def test_the_teaching_script_is_at_most_300_lines():
-    with open(os.path.join(ROOT, "teach_grpo.py")) as f:
-        assert len(f.read().splitlines()) <= 300
-
-
 @pytest.mark.parametrize("run", RUNS)
 def test_the_teaching_script_gives_the_default_runs_metrics_and_weights(tmp_path, run):
     nproc, flags = RUNS[run]
