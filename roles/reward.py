@@ -122,9 +122,10 @@ class OverlongArgs:
 
 
 class Scorer:
-    """This controller's rewards of its own samples: the reward model on their token ids, the
-    judge on their text (unless the partial placement judged them already), then the reward
-    terms, plus DAPO's overlong penalty (--overlong-buffer)."""
+    """The component: this controller's rewards of its own samples, from its rollout's output: the
+    reward model on their token ids, the judge on their text (unless the partial placement judged
+    them already), then the terms' sum (`Reward.score`), plus DAPO's overlong penalty
+    (--overlong-buffer)."""
 
     def __init__(self, cfg: RewardArgs, rm, judge, pad_id: int, device, max_new_tokens: int,
                  overlong: OverlongArgs | None = None):
@@ -172,6 +173,10 @@ class Scorer:
 
 
 class Reward:
+    """The reward's terms and their weighted sum over completions' text (and the rm and judge
+    scores, when given): what `Scorer` calls after it has run the reward model and the judge, and
+    what teach_grpo.py calls alone (its one term, accuracy)."""
+
     def __init__(self, names, weights=None, timeout_s: float = 60.0, code_timeout_s: float = 5.0,
                  code_memory_mb: int = 512):
         weights = list(weights) if weights else [1.0] * len(names)
