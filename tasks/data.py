@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from models import vision
 from models.tokenizer import Tokenizer
-from tasks import squares
+from tasks import carries, squares
 from utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ def multiply_rows(split: str, seed: int = 0, n_train: int = 20000, n_eval: int =
     return train
 
 
-TASKS = {BUILTIN: arith_rows, MULTIPLY: multiply_rows, squares.NAME: squares.square_rows}
+TASKS = {BUILTIN: arith_rows, MULTIPLY: multiply_rows, squares.NAME: squares.square_rows,
+         carries.NAME: carries.carry_rows}
 
 
 # ---------------------------------------------------------------- prompt datasets
@@ -120,8 +121,8 @@ def is_prompt(p) -> bool:
 def load_rows(source: str, split: str, prompt_column: str, answer_column: str | None,
               image_column: str | None = None):
     """Rows as dicts with 'prompt', 'answer' (may be None) and the other columns.
-    source: 'builtin:arith', 'builtin:multiply' or 'builtin:squares', a local .jsonl/.json/.parquet
-    file, or a hub dataset id. A built-in
+    source: 'builtin:arith', 'builtin:multiply', 'builtin:squares' or 'builtin:carries', a local
+    .jsonl/.json/.parquet file, or a hub dataset id. A built-in
     task is one fixed set of problems, whatever --seed (which orders and samples them): the
     shipped tiny model's warm start never saw its eval split.
     image_column: each row's image or list of images ('auto': 'images' if the dataset has that

@@ -1,0 +1,57 @@
+"""The named workloads of the benchmarks, with their length statistics: what a step's prompts and
+completions look like in tokens. 'arith' is the default run's task (answers of 2-6 tokens);
+'carries' is the reasoning-shaped one (tasks/carries.py, issue 52): worked solutions of tens to
+hundreds of tokens behind a shared system prompt. The completions measured are the tasks' reference
+answers (arith: the answer; carries: the worked solution), not yet a trained model's samples.
+
+    python bench/workloads.py [--rows 4000]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import print_table  # noqa: E402
+from models.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from tasks.carries import SYSTEM, carry_rows  # noqa: E402
+from tasks.data import arith_rows  # noqa: E402
+
+
+def prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
+WORKLOADS = {  # name: (rows, the completion a right answer is)
+    "arith": (lambda n: arith_rows("train", n_train=n), lambda r: r["answer"]),
+    "carries": (lambda n: carry_rows("train", n_train=n), lambda r: r["solution"]),
+}
+
+
+def stats(lengths: list[int]) -> tuple:
+    lengths = sorted(lengths)
+    return (statistics.mean(lengths), statistics.median(lengths), lengths[int(0.95 * len(lengths))],
+            lengths[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=4000)
+    a = ap.parse_args()
+    table = []
+    for name, (make, completion) in WORKLOADS.items():
+        rows = make(a.rows)
+        with tempfile.TemporaryDirectory() as d:  # a tokenizer of the task's own text, as assets/make.py trains
+            train_tokenizer([SYSTEM] + [prompt_text(r["prompt"]) + "\n" + completion(r) for r in rows], d)
+            tok = Tokenizer(d)
+            prompts = stats([len(tok.encode(prompt_text(r["prompt"]))) for r in rows])
+            done = stats([len(tok.encode(completion(r))) for r in rows])
+        table.append((name, f"{a.rows}", *(f"{x:.0f}" for x in prompts), *(f"{x:.0f}" for x in done),
+                      f"{done[2] / done[1]:.1f}"))
+    print_table(("workload", "rows", "prompt mean", "median", "p95", "max", "completion mean", "median",
+                 "p95", "max", "p95/median"), table)
+
+
+if __name__ == "__main__":
+    main()
