@@ -348,7 +348,7 @@ class Run:
         carry state. True: stop."""
         reward = self.reward
         cfg, rank = self.cfg, self.plan.rank
-        guards = trained[1]
+        guards = trained.maxes
         halt = dist.reduce({"skipped": guards["skipped"], "unscored": guards["unscored"],
                             "sigterm": self.sigterm}, op=MAX, group=self.plan.trainer_group)
         self.skipped_steps += int(halt["skipped"])

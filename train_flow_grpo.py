@@ -32,7 +32,7 @@ from rl import flow
 from roles.flow_actor import FlowActor
 from roles.reward import Reward, resolve
 from flags import Flat, RunArgs, parse
-from run import Run
+from run import Run, Totals
 from tasks import shapes
 from tasks.data import prompt_seed
 from tasks.image_rewards import IMAGE_REWARDS
@@ -366,7 +366,7 @@ if __name__ == "__main__":
         with timer("train"):
             train = update(actor, got, adv, got["trained"], ref_mean, ts, args, plan)
         metrics, guards = log_step(step, got, train, timer, args, plan, metrics)
-        if session.end_of_step(step, metrics if rank == 0 else None, (None, guards)):
+        if session.end_of_step(step, metrics if rank == 0 else None, Totals({}, guards)):
             break
 
     # the end: the held-out reward, the policy, the picture of the curves and the samples

@@ -125,7 +125,7 @@ class Args:
 
 def check_args(args: Args, world: int):
     """Every flag's range and the combinations that cannot work (each component checks its own,
-    run.py what GRPO and PPO share): a mistake stops the run here, before any process group or
+    flags.py what GRPO and PPO share): a mistake stops the run here, before any process group or
     model load, with what to change."""
     check_rules(args, [  # (flag, holds, what is wrong and what to do: "use 1 or more")
         ("num_generations", args.num_generations >= 2 or args.distill.alone(args.reward), "use 2 or more: "

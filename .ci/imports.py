@@ -53,7 +53,8 @@ def project_modules(root: str) -> dict[str, str]:
 
 
 def imports_of(path: str, modules: dict) -> list[tuple[str, int, bool]]:
-    """(project module imported, line, inside a function?) for each import statement of the file."""
+    """(project module imported, line, inside a function and not marked `defers`?) for each import
+    statement of the file."""
     source = open(path, encoding="utf-8").read()
     lines, tree = source.splitlines(), ast.parse(source, path)
     inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
