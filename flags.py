@@ -36,8 +36,9 @@ class DataArgs:
     """the policy's Hugging Face checkpoint: a local directory (config.json, *.safetensors,
     tokenizer.json) or a hub id (ORG/NAME, downloaded into the hub's cache; needs the network)"""
     dataset: str = BUILTIN
-    """'builtin:arith', 'builtin:multiply' (a task that needs its tool: docs/tools.md), a local
-    .jsonl/.json/.parquet file, or a hub dataset id"""
+    """'builtin:arith', 'builtin:multiply' (a task that needs its tool: docs/tools.md), 'builtin:carries'
+    (long additions worked out column by column: docs/reasoning.md), 'builtin:squares' (images:
+    docs/vision.md), a local .jsonl/.json/.parquet file, or a hub dataset id"""
     prompt_column: str = "prompt"
     """dataset column holding the prompt (a string or a list of chat messages)"""
     answer_column: str | None = "answer"

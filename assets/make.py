@@ -95,7 +95,8 @@ def sft_model(eos: int, seed: int, lr: float, steps: int):
     torch.manual_seed(seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, steps), pct_start=0.05)
+    warmup = max(0.05, 2 / max(2, steps))  # OneCycleLR needs 2 steps of warmup at least
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(2, steps), pct_start=warmup)
     return cfg, model, opt, sched
 
 

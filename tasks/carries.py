@@ -1,11 +1,15 @@
-"""The built-in reasoning task, 'builtin:carries' (issue 52, its first part): long addition written
-out column by column, so that a completion is a chain of steps whose length the item sets.
+"""The built-in reasoning task, 'builtin:carries' (issue 52): long addition written out column by
+column, so that a completion is a chain of steps whose length the item sets.
 
-A problem adds 2 to 4 numbers of 1 to 12 digits. The worked solution (`worked`) first restates
-the sum, then takes the columns from the right, one line each: the column's digits, the carry
-from the column before, their sum, the digit written and the carry passed on; the last line is
-'#### ' and the total, which roles/reward.py's `accuracy` reads (`tasks/rewards.py`
-`extract_answer`). Most items are short and a few long (`digits` is drawn with a long tail), so a
+A problem adds 2 to 4 numbers of 1 to 8 digits. The worked solution (`worked`) has one line per
+column, from the right. A line first restates what is left of the numbers (the first line is the
+sum as asked; each next line drops every number's last digit, and a number with no digit left
+drops out), then adds the last digits and the carry from the line before, and ends with the carry
+passed on and the answer so far (the total's last digit written in front of the previous line's).
+A final carry gets a line of its own, and the last line is '#### ' and the total, which
+`tasks.rewards.accuracy` reads. Every step looks only at the line before it, so a tiny model can
+learn the method (the first form of this file asked it to find the k-th digit of each number in
+the question instead). Most items are short and a few long (`draw_digits` has a long tail), so a
 batch's completions differ in length by 10x and more, the shape reasoning RL trains on.
 
 Every prompt is a chat whose system message, the same for all items, states the method: the
@@ -15,21 +19,21 @@ train.
 import random
 
 NAME = "builtin:carries"
-SYSTEM = ("You add whole numbers the long way, one column at a time, and show every step. First "
-          "write the sum as given. Then, starting from the rightmost column, write one line per "
-          "column: the digits of that column added together with the carry from the column before, "
-          "the total of that column, the digit you write down and the carry you pass on to the next "
-          "column. A number that has no digit in a column adds nothing there. After the last column, "
-          "write the final carry if it is not zero. End with a line that holds four hash signs and "
-          "the answer, for example: #### 1234")
-MAX_DIGITS = 12
+SYSTEM = ("You add whole numbers the long way, one column at a time, and show every step. Write one "
+          "line per column, starting from the rightmost. Begin each line with what is left of the "
+          "numbers: the sum as given on the first line, and on each next line the same numbers with "
+          "their last digit taken off, leaving out a number that has no digits left. Then add the "
+          "last digits and the carry from the line before, and write the total, the carry you pass "
+          "on and the answer so far. If a carry is left at the end, write it on a line of its own. "
+          "End with a line that holds four hash signs and the answer, for example: #### 1234")
+MAX_DIGITS = 8
 
 
 def draw_digits(rng: random.Random) -> int:
     """How long the numbers are: 1 to MAX_DIGITS digits, short ones most often (a geometric tail),
     so a few items are many times longer than the median one."""
     digits = 1
-    while digits < MAX_DIGITS and rng.random() < 0.72:
+    while digits < MAX_DIGITS and rng.random() < 0.65:
         digits += 1
     return digits
 
@@ -42,20 +46,26 @@ def problem(rng: random.Random) -> list[int]:
     return [first] + [rng.randrange(10 ** rng.randint(1, digits)) for _ in range(count - 1)]
 
 
-def worked(numbers: list[int]) -> str:
-    """The worked solution of the sum of `numbers`, column by column from the right."""
-    lines = [" + ".join(map(str, numbers))]
-    width = max(len(str(x)) for x in numbers)
-    carry = 0
-    for column in range(width):
-        digits = [x // 10 ** column % 10 for x in numbers if x >= 10 ** column or column == 0]
+def worked(numbers: list[int], slip=None) -> str:
+    """The worked solution of the sum of `numbers`, one line per column from the right, e.g.
+    [987, 56]: '987 + 56: 7 + 6 = 13, carry 1, so far 3' / '98 + 5: 8 + 5 + 1 = 14, carry 1, so
+    far 43' / '9: 9 + 1 = 10, carry 1, so far 043' / 'final carry 1, so far 1043' / '#### 1043'.
+    slip: None, or a function of a column's true total that returns the total written (the rest of
+    the working then follows from it, as a careless student's would: assets/carries.py)."""
+    lines, rest, carry, so_far = [], [str(x) for x in numbers], 0, ""
+    while rest:
+        digits = [int(x[-1]) for x in rest]
         total = sum(digits) + carry
+        if slip is not None:
+            total = slip(total)
         terms = " + ".join(map(str, digits + ([carry] if carry else [])))
-        lines.append(f"column {column + 1}: {terms} = {total}, write {total % 10}, carry {total // 10}")
-        carry = total // 10
+        carry, so_far = total // 10, str(total % 10) + so_far
+        lines.append(f"{' + '.join(rest)}: {terms} = {total}, carry {carry}, so far {so_far}")
+        rest = [x[:-1] for x in rest if len(x) > 1]
     if carry:
-        lines.append(f"final carry: write {carry}")
-    lines.append(f"#### {sum(numbers)}")
+        so_far = str(carry) + so_far
+        lines.append(f"final carry {carry}, so far {so_far}")
+    lines.append(f"#### {int(so_far)}")  # int: a leading 0 of the working is not written
     return "\n".join(lines)
 
 

@@ -5,38 +5,53 @@ workload, in tokens of a tokenizer trained on the task (the solutions, not yet a
 import re
 import statistics
 
+from assets.carries import carries_checkpoint
 from models.tokenizer import Tokenizer, train_tokenizer
 from tasks.carries import NAME, SYSTEM, carry_rows, worked
 from tasks.data import load_rows
 from tasks.rewards import accuracy
 
-LINE = re.compile(r"column (\d+): ([\d + ]+) = (\d+), write (\d), carry (\d+)")
+LINE = re.compile(r"(\d+(?: \+ \d+)*): (\d+(?: \+ \d+)*) = (\d+), carry (\d+), so far (\d+)")
+
+
+def check_solution(numbers: list[int], solution: str):
+    """Every line of `solution` against the method, recomputed here from `numbers`."""
+    rest, carry, so_far = [str(x) for x in numbers], 0, ""
+    lines = solution.splitlines()
+    while rest:
+        m = LINE.fullmatch(lines.pop(0))
+        assert m is not None
+        left, terms, total, carry_out, said = m.groups()
+        assert left.split(" + ") == rest  # what is left of the numbers
+        digits = [int(x[-1]) for x in rest]
+        assert [int(t) for t in terms.split(" + ")] == digits + ([carry] if carry else [])
+        assert int(total) == sum(digits) + carry and int(carry_out) == int(total) // 10
+        carry, so_far = int(carry_out), str(int(total) % 10) + so_far
+        assert said == so_far
+        rest = [x[:-1] for x in rest if len(x) > 1]
+    if carry:
+        assert lines.pop(0) == f"final carry {carry}, so far {carry}{so_far}"
+    assert lines == [f"#### {sum(numbers)}"]
 
 
 def test_every_line_of_a_worked_solution_is_right_and_the_reward_reads_its_answer():
     rows = carry_rows("train", n_train=2000)
     for r in rows:
-        numbers = [int(x) for x in r["solution"].splitlines()[0].split(" + ")]
+        numbers = [int(x) for x in r["solution"].split(":")[0].split(" + ")]
+        assert r["prompt"][1]["content"] == "Add " + ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}."
         assert sum(numbers) == int(r["answer"])
-        written, carry = [], 0
-        for no, line in enumerate(r["solution"].splitlines()[1:], 1):
-            m = LINE.fullmatch(line)
-            if m is None:
-                break
-            column, terms, total, digit, carry_out = m.groups()
-            expected = [x // 10 ** (no - 1) % 10 for x in numbers if x >= 10 ** (no - 1) or no == 1]
-            assert int(column) == no
-            assert [int(t) for t in terms.split(" + ")] == expected + ([carry] if carry else []), line
-            assert int(total) == sum(expected) + carry and int(digit) == int(total) % 10
-            assert int(carry_out) == int(total) // 10
-            written.append(digit)
-            carry = int(carry_out)
-        final = str(carry) if carry else ""
-        assert final + "".join(reversed(written)) == r["answer"].lstrip("0") or r["answer"] == "0"
+        check_solution(numbers, r["solution"])
     rewards = accuracy(None, [r["solution"] for r in rows], [r["answer"] for r in rows])
     assert rewards == [1.0] * len(rows)
-    # a wrong total scores 0
+    assert worked([987, 56]).splitlines() == ["987 + 56: 7 + 6 = 13, carry 1, so far 3",
+                                              "98 + 5: 8 + 5 + 1 = 14, carry 1, so far 43",
+                                              "9: 9 + 1 = 10, carry 1, so far 043",
+                                              "final carry 1, so far 1043", "#### 1043"]
+    # the rule reads the answer only: a wrong total scores 0 whatever the working, and a right one
+    # scores 1 even after wrong working (no rule checks the lines; a model that learns to skip them
+    # shows as shorter completions, which the run's length metrics show)
     assert accuracy(None, [worked([12, 30]).replace("#### 42", "#### 43")], ["42"]) == [0.0]
+    assert accuracy(None, [worked([12, 30]).replace("2 + 0 = 2", "2 + 0 = 3")], ["42"]) == [1.0]
 
 
 def test_the_split_is_deterministic_and_eval_items_never_train():
@@ -59,3 +74,23 @@ def test_completions_are_long_and_uneven_and_prompts_share_a_long_prefix(tmp_pat
     p95, median = lengths[int(0.95 * len(lengths))], statistics.median(lengths)
     assert statistics.mean(lengths) >= 40 and p95 >= 3 * median and lengths[-1] >= 200, (median, p95)
     assert len(tok.encode(SYSTEM)) >= 64
+
+
+def test_a_slipped_solution_follows_from_its_wrong_totals():
+    """The warm start's noisy steps (assets/carries.py): a slipped total is one off, and the rest of
+    the working follows from it, so the answer is wrong the way a careless student's is."""
+    solution = worked([987, 56], slip=lambda total: total + 1)
+    assert solution.splitlines() == ["987 + 56: 7 + 6 = 14, carry 1, so far 4",
+                                     "98 + 5: 8 + 5 + 1 = 15, carry 1, so far 54",
+                                     "9: 9 + 1 = 11, carry 1, so far 154",
+                                     "final carry 1, so far 1154", "#### 1154"]
+    assert accuracy(None, [solution], ["1043"]) == [0.0]
+    assert worked([987, 56], slip=lambda total: total) == worked([987, 56])
+
+
+def test_the_tiny_model_builder_is_reproducible(tmp_path):
+    """assets/carries.py, a few steps of each phase twice: the same bytes."""
+    for out in ("a", "b"):
+        carries_checkpoint(str(tmp_path / out), sft_steps=3, noisy_steps=2, batch=4)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
