@@ -81,7 +81,8 @@ def carries_checkpoint(path: str, seed: int = 0, sft_steps: int = 1500, noisy_st
         opt.step()
         sched.step()
         if (step + 1) % log_every == 0:
-            print(f"carries sft step {step + 1}/{sft_steps} loss {loss:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            seconds = time.time() - t0
+            print(f"carries sft step {step + 1}/{sft_steps} loss {loss:.3f} ({seconds:.0f}s)", flush=True)
     slip_steps(model, tok, eos, noisy_steps, noise, batch, noisy_lr, seed, log_every)
     save_model(model, cfg, path)
 
@@ -101,11 +102,12 @@ def slip_steps(model, tok: Tokenizer, eos: int, steps: int, noise: float, batch:
     t0 = time.time()
     for step in range(steps):
         opt.zero_grad()
-        loss = sft_step(model, [example(r, worked(_numbers(r), slip), tok, eos) for r in rng.sample(train, batch)],
-                        eos)
+        rows = rng.sample(train, batch)
+        loss = sft_step(model, [example(r, worked(_numbers(r), slip), tok, eos) for r in rows], eos)
         opt.step()
         if (step + 1) % log_every == 0:
-            print(f"carries slip step {step + 1}/{steps} loss {loss:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            seconds = time.time() - t0
+            print(f"carries slip step {step + 1}/{steps} loss {loss:.3f} ({seconds:.0f}s)", flush=True)
 
 
 def _numbers(row: dict) -> list[int]:

@@ -57,7 +57,8 @@ def main():
         got = sample_stats(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                         "carries-tiny"))
         lengths = [got[k] for k in ("length_mean", "length_median", "length_p95", "length_max")]
-        table.append(("carries, carries-tiny's samples", "256 x 8", *table[-1][2:6], *(f"{x:.0f}" for x in lengths),
+        prompts = table[-1][2:6]  # the same prompts as the row above
+        table.append(("carries, carries-tiny's samples", "256 x 8", *prompts, *(f"{x:.0f}" for x in lengths),
                       f"{lengths[2] / lengths[1]:.1f}"))
     print_table(("workload", "rows", "prompt mean", "median", "p95", "max", "completion mean", "median",
                  "p95", "max", "p95/median"), table)

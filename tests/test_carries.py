@@ -2,6 +2,8 @@
 a solution is right and the last holds the answer the reward reads; the split is deterministic and
 its eval items never train; and its completions have the shape issue 52 asks of a reasoning
 workload, in tokens of a tokenizer trained on the task (the solutions, not yet a model's samples)."""
+import json
+import os
 import re
 import statistics
 
@@ -10,6 +12,12 @@ from models.tokenizer import Tokenizer, train_tokenizer
 from tasks.carries import NAME, SYSTEM, carry_rows, worked
 from tasks.data import load_rows
 from tasks.rewards import accuracy
+from utils.logger import read_metrics
+
+from launch import ROOT, torchrun
+
+MODEL = os.path.join(ROOT, "assets", "carries-tiny")
+STEPS = 20
 
 LINE = re.compile(r"(\d+(?: \+ \d+)*): (\d+(?: \+ \d+)*) = (\d+), carry (\d+), so far (\d+)")
 
@@ -38,7 +46,8 @@ def test_every_line_of_a_worked_solution_is_right_and_the_reward_reads_its_answe
     rows = carry_rows("train", n_train=2000)
     for r in rows:
         numbers = [int(x) for x in r["solution"].split(":")[0].split(" + ")]
-        assert r["prompt"][1]["content"] == "Add " + ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}."
+        question = "Add " + ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}."
+        assert r["prompt"][1]["content"] == question
         assert sum(numbers) == int(r["answer"])
         check_solution(numbers, r["solution"])
     rewards = accuracy(None, [r["solution"] for r in rows], [r["answer"] for r in rows])
@@ -94,3 +103,22 @@ def test_the_tiny_model_builder_is_reproducible(tmp_path):
         carries_checkpoint(str(tmp_path / out), sft_steps=3, noisy_steps=2, batch=4)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_a_short_grpo_run_on_carries_raises_the_training_reward(tmp_path):
+    """GRPO on 2 ranks from assets/carries-tiny, the same 8 short sums every step (2-3 digits: the
+    run stays under a minute): the mean training reward of the last 5 steps is clearly above that of
+    the first 5. Measured 0.669 -> 0.938 (the same under ATEN_CPU_CAPABILITY=default); the threshold,
+    +0.1, leaves room for another CPU's rounding and for sampling noise (8 prompts x 8 samples)."""
+    rows = [r for r in carry_rows("train") if len(r["solution"].splitlines()) in (3, 4)][:8]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    run = str(tmp_path / "run")
+    torchrun(2, "train_grpo.py", "--model", MODEL, "--dataset", str(data), "--max-new-tokens", "512",
+             "--prompts-per-step", "8", "--num-generations", "8", "--lr", "2e-4", "--micro-batch-size", "8",
+             "--steps", str(STEPS), "--eval-every", "0", "--save-every", "0", "--no-save-final",
+             "--run-dir", run, timeout=120)
+    steps = read_metrics(os.path.join(run, "metrics.jsonl"))
+    rewards = [r["rollout/reward"] for r in steps if not r.get("final")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert len(rewards) == STEPS and last > first + 0.1, (first, last)
