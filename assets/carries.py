@@ -6,7 +6,7 @@ rest of the working following from it), so that at temperature 1 it slips now an
 long sum, with more columns to slip in, is more often wrong; greedy it is mostly right, and
 pass@8 shows the answers within reach. RL's job is to stop the slips.
 
-    python -m assets.carries --out assets/carries-tiny         # ~15 min on 2 cores
+    python -m assets.carries --out assets/carries-tiny         # ~25 min on 2 cores (docs/reasoning.md)
     python -m assets.carries --out /tmp/c --sft-steps 20 --noisy-steps 0   # a quick one (tests)
 """
 import argparse
