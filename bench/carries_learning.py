@@ -6,7 +6,7 @@ Prints the learning table and the length table, and draws the picture (held-out 
 seconds, and the completion lengths before and after).
 
     python bench/carries_learning.py                      # 3 seeds, ~11 min each on 2 cores
-    python bench/carries_learning.py --seeds 0 --flags --overlong-buffer 64 --max-new-tokens 192
+    python bench/carries_learning.py --seeds 0 --steps 50 --out runs/carries-short   # a quick look
 """
 import argparse
 import json
