@@ -106,8 +106,8 @@ def test_the_tiny_model_builder_is_reproducible(tmp_path):
 
 
 def test_a_short_grpo_run_on_carries_raises_the_training_reward(tmp_path):
-    """GRPO on 2 ranks from assets/carries-tiny, the same 8 short sums every step (2-3 lines of working: the
-    run stays under a minute): the mean training reward of the last 5 steps is clearly above that of
+    """GRPO on 2 ranks from assets/carries-tiny, the same 8 short sums every step (2-3 lines of
+    working: the run stays under a minute): the mean training reward of the last 5 steps is clearly above that of
     the first 5. Measured 0.669 -> 0.938 (the same under ATEN_CPU_CAPABILITY=default); the threshold,
     +0.1, leaves room for another CPU's rounding and for sampling noise (8 prompts x 8 samples)."""
     rows = [r for r in carry_rows("train") if len(r["solution"].splitlines()) in (3, 4)][:8]
