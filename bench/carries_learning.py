@@ -22,9 +22,9 @@ from utils.logger import read_metrics  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "assets", "carries-tiny")
-FLAGS = ["--model", MODEL, "--dataset", "builtin:carries", "--max-new-tokens", str(MAX_NEW_TOKENS),
-         "--prompts-per-step", "16", "--num-generations", "8", "--lr", "2e-4", "--micro-batch-size", "8",
-         "--eval-every", "25", "--eval-prompts", "128", "--save-every", "0"]
+TASK = ["--dataset", "builtin:carries", "--max-new-tokens", str(MAX_NEW_TOKENS), "--prompts-per-step", "16",
+        "--num-generations", "8", "--lr", "2e-4", "--micro-batch-size", "8", "--eval-prompts", "128"]
+FLAGS = ["--model", MODEL, *TASK, "--eval-every", "25", "--save-every", "0"]
 
 
 def train(run_dir: str, seed: int, steps: int, extra: list[str]) -> float:
@@ -77,7 +77,8 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default="runs/carries")
     ap.add_argument("--picture", default=None, help="default: OUT/carries-run.png")
-    ap.add_argument("--reuse", action="store_true", help="a seed whose OUT/seedN/final exists is not trained again")
+    ap.add_argument("--reuse", action="store_true",
+                    help="a seed whose OUT/seedN/final exists is not trained again")
     ap.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more flags for train_grpo.py")
     a = ap.parse_args()
     start = sample_stats(MODEL, keep_lengths=True)
@@ -93,7 +94,8 @@ def main():
         points = curves[seed]
         first, last = points[0][2], points[-1][2]
         rows.append((f"{seed}", f"{first:.3f}", f"{last:.3f}", f"{last - first:+.3f}", f"{a.steps}",
-                     f"{points[-1][1]:.0f}", "-" if walls[seed] is None else f"{walls[seed]:.0f}", f"{points[-1][1] / a.steps:.2f}"))
+                     f"{points[-1][1]:.0f}", "-" if walls[seed] is None else f"{walls[seed]:.0f}",
+                     f"{points[-1][1] / a.steps:.2f}"))
     print_table(("seed", "held-out acc. at step 0", f"at step {a.steps}", "lift", "steps", "train s",
                  "wall s", "s/step"), rows)
     table = [("before RL", start)] + [(f"after RL, seed {s}", finals[s]) for s in a.seeds]
@@ -102,7 +104,8 @@ def main():
                   f"{st['length_median']:.0f}", f"{st['length_p95']}", f"{st['length_max']}",
                   f"{st['length_p95'] / st['length_median']:.1f}") for name, st in table])
     with open(os.path.join(a.out, "summary.json"), "w") as f:
-        json.dump({"curves": curves, "start": start, "finals": finals, "walls": walls, "flags": FLAGS + a.flags}, f)
+        json.dump({"curves": curves, "start": start, "finals": finals, "walls": walls,
+                   "flags": FLAGS + a.flags}, f)
     draw(a.picture or os.path.join(a.out, "carries-run.png"), curves, start["lengths"],
          {s: finals[s]["lengths"] for s in a.seeds})
 
