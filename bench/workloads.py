@@ -46,7 +46,8 @@ def main():
     table = []
     for name, (make, completion) in WORKLOADS.items():
         rows = make(a.rows)
-        with tempfile.TemporaryDirectory() as d:  # a tokenizer of the task's own text, as assets/make.py trains
+        # a tokenizer of the task's own text, as assets/make.py trains
+        with tempfile.TemporaryDirectory() as d:
             train_tokenizer([SYSTEM] + [prompt_text(r["prompt"]) + "\n" + completion(r) for r in rows], d)
             tok = Tokenizer(d)
             prompts = stats([len(tok.encode(prompt_text(r["prompt"]))) for r in rows])
