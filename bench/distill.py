@@ -22,12 +22,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.carries_learning import TASK as CARRIES  # noqa: E402
+from bench.carries_learning import MODEL as CARRIES_MODEL, TASK as CARRIES  # noqa: E402
+from utils.logger import read_metrics  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # task: (its flags with the student as --model, the teacher, default steps, default --eval-every)
 TASKS = {"arith": ([], "assets/arith-teacher", 300, 50),
-         "carries": (["--model", "assets/carries-tiny", *CARRIES], "assets/carries-teacher", 200, 25)}
+         "carries": (["--model", CARRIES_MODEL, *CARRIES], "assets/carries-teacher", 200, 25)}
 
 
 def modes(teacher: str) -> dict[str, list[str]]:
@@ -38,8 +39,10 @@ def modes(teacher: str) -> dict[str, list[str]]:
 def run(flags: list[str], steps: int, every: int, seed: int, out: str | None = None) -> list[dict]:
     """A run's metrics rows; with `out`, its directory is kept there, and read instead of run when
     it holds a finished run's metrics (its last row the final evaluation's)."""
-    if out and os.path.exists(os.path.join(out, "metrics.jsonl")) and read(out)[-1].get("final"):
-        return read(out)
+    metrics = out and os.path.join(out, "metrics.jsonl")
+    kept = read_metrics(metrics) if metrics and os.path.exists(metrics) else []
+    if kept and kept[-1].get("final"):
+        return kept
     with tempfile.TemporaryDirectory() as d:
         run_dir = out or d
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -48,12 +51,7 @@ def run(flags: list[str], steps: int, every: int, seed: int, out: str | None = N
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
         if p.returncode:
             sys.exit(p.stderr[-3000:])
-        return read(run_dir)
-
-
-def read(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def teacher_accuracy(task: list[str], teacher: str, every: int, seeds: list[int]) -> float:
