@@ -233,7 +233,8 @@ def check_flags(args, world: int) -> placement.Layout:
         ("clip_high", 0 <= args.clip_high < math.inf, "use 0 or more"),
         ("kl_coef", 0 <= args.kl_coef < math.inf, "use 0 (no KL term) or more"),
         ("minibatches", args.minibatches >= 1, "use 1 or more"),
-        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more")])
+        ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more"),
+        ("micro_batch_tokens", args.micro_batch_tokens >= 0, "use 0 (rows, padded) or more")])
     args.env.check()
     args.distill.check()
     args.run_args.check()

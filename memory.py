@@ -68,6 +68,7 @@ class Workload:
     bucket_bytes: int = 64 * 2**20  # --sync-bucket-mb (disaggregate)
     lora_params: int = 0  # LoRA's adapter parameters (models.lora.count); 0: the full model trains
     lora_merged: int = 0  # LoRA, native engine: the adapted weights' elements (models.lora.adapted)
+    micro_batch_tokens: int = 0  # >0: packed micro-batches of at most this many tokens (models/packing.py)
 
 
 @dataclass
@@ -95,12 +96,16 @@ def training(cfg: ModelConfig, d: int, w: Workload, seq: int) -> dict[str, int]:
     P = cfg.num_params()
     root = P - cfg.num_hidden_layers * cfg.layer_params()
     tokens = min(w.micro_batch, w.rows) * seq
+    several = w.rows > w.micro_batch  # micro-batches in a step
+    if w.micro_batch_tokens:  # packed: the budget, or one whole row past it (prompts counted in full)
+        tokens = min(max(w.micro_batch_tokens, seq), tokens)
+        several = several or w.rows * seq > tokens
     head = cfg.num_labels if cfg.scores else cfg.vocab_size
     logits = tokens * head * 4 if cfg.scores else min(tokens * head * 4, LOGITS_BUDGET)
     parts = {"gathered": (root + 2 * cfg.layer_params()) * w.param_bytes, "logits": 3 * logits}
     trained = w.lora_params if w.lora_params and not cfg.scores else P  # a critic trains in full
     grads, kept = 4 * trained // d, tokens * activations_per_token(cfg) * w.param_bytes
-    if w.rows > w.micro_batch:  # earlier micro-batches' gradients wait while the next one's activations live
+    if several:  # earlier micro-batches' gradients wait while the next one's activations live
         parts.update(grads=grads, activations=kept)
     else:  # one micro-batch: its backward frees the activations as it makes the gradients
         parts["activations" if kept >= grads else "grads"] = max(kept, grads)
@@ -181,7 +186,8 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
     value = read_config(critic) if critic else None  # a value model: one score per token
     value = value if value is None or value.scores else value.with_score_head(1)
     w = Workload(param_bytes=2 if args.compute.param_dtype == "bfloat16" else 4,
-                 micro_batch=args.micro_batch_size, prompt_len=prompt_len,
+                 micro_batch=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens,
+                 prompt_len=prompt_len,
                  new_tokens=args.sampling.max_new_tokens, rows=rows,
                  gen_rows=max(rows, -(-eval_rows // dp)), reference=args.kl_coef > 0, critic=value,
                  reward_model=read_config(args.reward.reward_model) if args.reward.reward_model else None,

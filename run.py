@@ -86,7 +86,7 @@ def make_actor(args, plan) -> Actor:
     return Actor(args.data.model, plan.mesh, plan.device, args.lr, args.warmup_steps, args.weight_decay,
                  args.max_grad_norm, args.compute.dtype, args.sampling.temperature, args.micro_batch_size,
                  decay_steps, compile=args.compute.compile, lora=args.lora, seed=args.run_args.seed,
-                 freeze_vision=args.data.freeze_vision)
+                 freeze_vision=args.data.freeze_vision, micro_batch_tokens=args.micro_batch_tokens)
 
 
 def frozen_roles(args, plan, actor) -> tuple:
@@ -95,15 +95,18 @@ def frozen_roles(args, plan, actor) -> tuple:
     it does nothing). -> (reference or None, reward model or None, teacher)"""
     device, param_dtype = plan.device, args.compute.dtype
     temperature, micro_batch_size = args.sampling.temperature, args.micro_batch_size
+    tokens = args.micro_batch_tokens
     ref = None
     if args.kl_coef > 0 and args.lora.lora_rank:
         ref = lora.Reference(actor)  # the actor with its adapters off: no second model
     elif args.kl_coef > 0:
-        ref = Reference(args.data.model, plan.mesh, device, param_dtype, temperature, micro_batch_size)
+        ref = Reference(args.data.model, plan.mesh, device, param_dtype, temperature, micro_batch_size,
+                        micro_batch_tokens=tokens)
     rm = None
     if args.reward.reward_model:
-        rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, micro_batch_size)
-    return ref, rm, Teacher(args.distill, plan, device, param_dtype, temperature, micro_batch_size)
+        rm = RewardModel(args.reward.reward_model, plan.mesh, device, param_dtype, micro_batch_size, tokens)
+    return ref, rm, Teacher(args.distill, plan, device, param_dtype, temperature, micro_batch_size,
+                            micro_batch_tokens=tokens)
 
 
 def run_rollout_rank(plan, local_engine, arrival=None):

@@ -74,6 +74,9 @@ class Args:
     """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher)"""
     micro_batch_size: int = 256
     """completions per forward and backward on each rank (memory and speed; the result moves by rounding)"""
+    micro_batch_tokens: int = 4096
+    """tokens per forward and backward on each rank, each micro-batch packed into one sequence with each
+    prompt once for all its samples (models/packing.py: the same log-probs to rounding); 0: rows, padded"""
     eval_every: int = 100
     """held-out accuracy every this many steps and at the end (0: never)"""
     eval_prompts: int = 256
@@ -179,8 +182,9 @@ if __name__ == "__main__":
         nonzero = (batch["adv"] != 0).any(-1)  # [N]
         K = max(1, int(dist.reduce({"rows": nonzero.sum()}, op=MAX)["rows"]))
         batch = take_rows(batch, torch.argsort((~nonzero).to(torch.uint8), stable=True)[:K])  # [K, ...]
-        # micro-batches of like lengths, each cut to its longest prompt and completion (tasks/data.py)
-        micro = [mb for _, mb in forward_batches(batch, args.micro_batch_size)]
+        # micro-batches of rows back to back without padding, a group's prompt once (tasks/data.py)
+        micro = [mb for _, mb in forward_batches(batch, args.micro_batch_size, args.micro_batch_tokens,
+                                                 mesh.get_group())]
         pg_sum, clipped_sum, gap_max = 0.0, 0, torch.zeros(())
         for i, mb in enumerate(micro):
             # gradients are reduce-scattered after the last micro-batch only (no traffic before it)

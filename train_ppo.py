@@ -103,6 +103,10 @@ class Args:
     """optimizer steps per rollout batch for actor and critic (>1: later ones are off-policy)"""
     micro_batch_size: int = 256
     """completions per forward/backward on each rank (lower it for a large model's memory)"""
+    micro_batch_tokens: int = 4096
+    """>0: micro-batches of at most this many tokens (and --micro-batch-size rows), each packed into
+    one sequence without padding and with each group's prompt once, exact to fp32 rounding
+    (models/packing.py; docs/packing.md); 0: rows, padded. A Qwen2-VL model runs rows"""
     compute: Flat[ComputeArgs] = field(default_factory=ComputeArgs)
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
     placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
@@ -252,7 +256,8 @@ if __name__ == "__main__":
     actor = run.make_actor(args, plan)
     critic = Critic(critic_dir, plan.mesh, device, args.critic_lr, args.warmup_steps, args.weight_decay,
                     args.max_grad_norm, args.value_clip, args.compute.dtype, args.micro_batch_size,
-                    args.steps if args.lr_schedule == "linear" else 0, compile=args.compute.compile)
+                    args.steps if args.lr_schedule == "linear" else 0, compile=args.compute.compile,
+                    micro_batch_tokens=args.micro_batch_tokens)
     ref, rm, teacher = run.frozen_roles(args, plan, actor)  # ref, rm: None without their flags
     bucket_bytes = int(args.placement.sync_bucket_mb * 2**20)
     engine = placement.engine_for(plan, local_engine, actor.weight_specs(), bucket_bytes)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import LLAMA3_ROPE, ModelConfig
+from models.packing import Segments
 
 
 def rope_frequencies(head_dim: int, theta: float, llama3: dict | None = None) -> torch.Tensor:
@@ -83,8 +84,11 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:  # write this step's keys into the preallocated cache, attend to all so far
             k, v = cache.update(layer, k, v)  # [B, KV, L, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and S > 1, enable_gqa=self.gqa)
+        if isinstance(mask, Segments):  # a packed sequence (models/packing.py): attention piece by piece
+            out = mask.attend(q, k, v, self.gqa)  # [1, H, S, D]
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and S > 1, enable_gqa=self.gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # [B, S, h]
 
 
@@ -177,16 +181,17 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def forward(self, tokens, positions=None, mask=None, cache: KVCache | None = None, logits_from: int = 0,
-                targets=None, temperature: float = 1.0):
+                targets=None, temperature: float = 1.0, pick=None):
         """tokens [B, S]; positions [B, S] (default 0..S-1 after the cache); mask: bool [B, 1, S, L]
         (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32
         (a score model: scores [B, S - logits_from, num_labels]); with targets [B, T], the log-probs
-        [B, T] of those tokens under softmax(logits / temperature) (`run`)."""
+        [B, T] of those tokens under softmax(logits / temperature) (`run`). pick [n, T] (a packed
+        sequence, B = 1: models/packing.py): the outputs at those positions instead, [n, T, ...]."""
         h = self.model.embed_tokens(tokens)  # [B, S, hidden]
-        return self.run(h, positions, mask, cache, logits_from, targets, temperature)
+        return self.run(h, positions, mask, cache, logits_from, targets, temperature, pick)
 
     def batch_inputs(self, batch) -> dict:
-        """The forward's keywords for a packed batch (tasks.data.make_batch): positions that skip
+        """The forward's keywords for a padded batch (tasks.data.make_batch): positions that skip
         left padding and the causal mask over it (Qwen2-VL's subclass adds its images and M-RoPE)."""
         valid = batch["valid"]
         return {"positions": positions_from(valid), "mask": attention_mask(valid)}
@@ -198,10 +203,11 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def run(self, h, positions, mask, cache: KVCache | None, logits_from: int, targets=None,
-            temperature: float = 1.0):
+            temperature: float = 1.0, pick=None):
         """The decoder over input embeddings h [B, S, hidden] (forward's tokens, embedded); with
         targets [B, T] (T <= S - logits_from), their log-probs [B, T] instead of logits (head_logprobs:
-        never the whole batch's logits at once)."""
+        never the whole batch's logits at once); pick [n, T]: the head runs on h[0][pick] [n, T, hidden]
+        instead of h[:, logits_from:]."""
         B, S, _ = h.shape
         start = cache.pos if cache is not None else 0
         if positions is None:
@@ -211,7 +217,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask, cache)
         if cache is not None:
             cache.pos += S
-        h = self.model.norm(h[:, logits_from:])
+        h = self.model.norm(h[:, logits_from:] if pick is None else h[0][pick])
         if self.config.scores:
             return self.score(h).float()  # [B, S', num_labels]
         if targets is not None:
@@ -232,18 +238,24 @@ def attention_mask(valid, query_len: int | None = None):
 
 
 def completion_logprobs(model, batch, temperature: float):
-    """log pi(token) of each completion token of a packed batch (tasks.data.make_batch) ->
+    """log pi(token) of each completion token of a padded batch (tasks.data.make_batch) ->
     [N, T]. Logits are made for completion positions only (the prompt's are never needed), and
     never for the whole batch at once (models.decoder.head_logprobs)."""
     P = batch["prompt_len"]
+    targets = batch["input_ids"][:, P:]  # [N, T]
+    if "packed" in batch:  # token t's logits are made at the column before it (models/packing.py)
+        return model(**packed_inputs(batch, P - 1, P - 1 + targets.shape[1]), targets=targets,
+                     temperature=temperature)  # [N, T]
     return model(batch["input_ids"], **model.batch_inputs(batch), logits_from=P - 1,
-                 targets=batch["input_ids"][:, P:], temperature=temperature)  # [N, T]
+                 targets=targets, temperature=temperature)  # [N, T]
 
 
 def completion_values(model, batch):
     """A value model's V(s_t) for each completion token t, the state being the prompt and the
     tokens before t (the position whose logits would sample t) -> [N, T]."""
     P, valid = batch["prompt_len"], batch["valid"]
+    if "packed" in batch:
+        return model(**packed_inputs(batch, P - 1, valid.shape[1] - 1))[..., 0]  # [N, T]
     out = model(batch["input_ids"], positions_from(valid), attention_mask(valid), logits_from=P - 1)
     return out[:, :-1, 0]  # [N, T]
 
@@ -254,13 +266,26 @@ def sequence_scores(model, batch):
     so a real token equal to the pad id (an EOS that is also the pad token, as in
     assets/arith-tiny) is skipped here too: the score sits on the token before it, as in HF."""
     valid = batch["valid"]
-    out = model(batch["input_ids"], positions_from(valid), attention_mask(valid))  # [N, L, 1]
     L = valid.shape[1]
     real = valid
     if model.config.pad_token_id is not None:
         real = valid & (batch["input_ids"] != model.config.pad_token_id)  # [N, L]
     last = (torch.arange(L, device=valid.device) * real).argmax(-1)  # [N] the rightmost non-pad token
+    if "packed" in batch:
+        p = batch["packed"]
+        at = p["flat"].gather(1, last[:, None]).clamp(min=0)  # [N, 1] where that token sits
+        return model(p["input_ids"], p["positions"], p["mask"], pick=at)[:, 0, 0]  # [N]
+    out = model(batch["input_ids"], positions_from(valid), attention_mask(valid))  # [N, L, 1]
     return out[torch.arange(len(last)), last, 0]  # [N]
+
+
+def packed_inputs(batch, start: int, end: int) -> dict:
+    """The forward's keywords for a packed micro-batch (models/packing.py) whose outputs are wanted
+    at each row's columns start..end-1 of the padded layout -> tokens, positions, mask, pick [N, end -
+    start] (a padding column picks position 0: its output is masked out by the caller)."""
+    p = batch["packed"]
+    pick = p["flat"][:, start:end].clamp(min=0)  # [N, end - start]
+    return {"tokens": p["input_ids"], "positions": p["positions"], "mask": p["mask"], "pick": pick}
 
 
 def positions_from(valid):

@@ -237,7 +237,7 @@ class VLTransformer(Transformer):
         self.visual.init_buffers()
 
     def batch_inputs(self, batch) -> dict:
-        """The causal mask over a packed batch, its rows' M-RoPE positions and images (batch_inputs)."""
+        """The causal mask over a padded batch, its rows' M-RoPE positions and images (batch_inputs)."""
         return {"mask": attention_mask(batch["valid"]), **batch_inputs(self.config, batch)}
 
     def init_weights(self, seed: int = 0, std: float = 0.02):
@@ -313,7 +313,7 @@ def images_of(rows: list, cfg: ModelConfig, device) -> tuple:
 
 
 def batch_inputs(cfg: ModelConfig, batch) -> dict:
-    """forward's positions, images and prompt_len for a packed batch (tasks.data.make_batch): the
+    """forward's positions, images and prompt_len for a padded batch (tasks.data.make_batch): the
     prompts' M-RoPE positions (rope_index over the first prompt_len columns), the completions'
     going on 1-D from each prompt's deltas, as the engines decode them."""
     ids, valid, P = batch["input_ids"], batch["valid"], batch["prompt_len"]

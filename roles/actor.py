@@ -9,6 +9,7 @@ from models.decoder import completion_logprobs
 from models.hf import save_model
 from models.lora import is_adapter, merged
 from models.lora import scales as lora_scales
+from models.packing import token_budget
 from models.parallelize import load_sharded
 from tasks.data import forward_batches, scatter_rows, take_rows
 from utils.dist import full_tensors, reduce, weight_specs
@@ -42,13 +43,15 @@ class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
                  micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False, lora=None,
-                 seed: int = 0, freeze_vision: bool = False):
+                 seed: int = 0, freeze_vision: bool = False, micro_batch_tokens: int = 0):
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
         micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
         linearly to 0 over this many optimizer steps (0: constant after the warm-up); compile:
         torch.compile each decoder block (models.parallelize.shard); lora: models.lora.LoraArgs (a rank
         above 0: only adapters train, started from `seed`; engines get the merged weights);
-        freeze_vision: a Qwen2-VL's vision tower takes no gradient and has no optimizer state."""
+        freeze_vision: a Qwen2-VL's vision tower takes no gradient and has no optimizer state;
+        micro_batch_tokens: micro-batches of at most this many tokens, packed without padding, a
+        group's prompt once (tasks.data.forward_batches; 0: micro_batch_size rows, padded)."""
         self.model = load_sharded(path, mesh, device, param_dtype, compile=compile, lora=lora, seed=seed)
         self.freeze_vision = freeze_vision  # checkpoints record it: the tower is then not saved
         if freeze_vision:
@@ -61,6 +64,7 @@ class Actor:
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens)
         # fused: one kernel for all parameters (the per-tensor loop cost 30 ms a step on the
         # 2.5M-param bench model, this 5)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -103,7 +107,7 @@ class Actor:
         """[N, T]: the current policy's log-probs of the completion tokens (the old policy's, when
         taken before the update: decoupled PPO's trainer-side old log-probs)."""
         parts = [(rows, completion_logprobs(self.model, mb, self.temperature))
-                 for rows, mb in forward_batches(batch, self.micro_batch_size)]
+                 for rows, mb in self.micro_batches(batch)]
         return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
 
     def train_step(self, batch, loss_fn, norm: float, skip_zero_adv_rows: bool = False):
@@ -134,7 +138,7 @@ class Actor:
             batch = self.rows_to_train(batch)
         sums = {"gap_sum": 0.0, "rows": len(batch["adv"]), "trained_tokens": batch["loss_mask"].sum()}
         gap_max = torch.zeros((), device=batch["loss_mask"].device)
-        mbs = [mb for _, mb in forward_batches(batch, self.micro_batch_size)]
+        mbs = [mb for _, mb in self.micro_batches(batch)]
         for i, mb in enumerate(mbs):
             # reduce-scatter the gradients after the last micro-batch only: no traffic for the others
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
@@ -152,6 +156,10 @@ class Actor:
         grad_norm, finite = optimizer_step(self.model, self.opt, self.sched, self.max_grad_norm)
         maxes = {"gap_max": gap_max, "grad_norm": grad_norm, "skipped": float(not finite), "unscored": 0.0}
         return sums, maxes
+
+    def micro_batches(self, batch):
+        """(rows, micro-batch) of a batch (tasks.data.forward_batches), as many on every trainer."""
+        return forward_batches(batch, self.micro_batch_size, self.micro_batch_tokens, self.group)
 
     def rows_to_train(self, batch):
         """The rows with a nonzero advantage first (in order), then zero-advantage rows, K rows

@@ -7,6 +7,7 @@ from functools import partial
 import torch
 
 from models.decoder import completion_values
+from models.packing import token_budget
 from models.parallelize import load_sharded
 from rl import algos
 from roles.actor import lr_factor, optimizer_step
@@ -16,7 +17,8 @@ from tasks.data import forward_batches, scatter_rows
 class Critic:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, value_clip: float, param_dtype=torch.float32,
-                 micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False):
+                 micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False,
+                 micro_batch_tokens: int = 0):
         """value_clip: a value moves at most this far from the one it had at rollout per update
         (the clipped value loss); the rest as the Actor's."""
         self.model = load_sharded(path, mesh, device, param_dtype, value_head=True, compile=compile)
@@ -25,6 +27,7 @@ class Critic:
         self.max_grad_norm = max_grad_norm
         self.value_clip = value_clip
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                      betas=(0.9, 0.99), fused=True)
         schedule = partial(lr_factor, warmup_steps, decay_steps)
@@ -34,8 +37,12 @@ class Critic:
     def values(self, batch):
         """V [N, T]: the value of the state before each completion token (tasks.data.Batch)."""
         parts = [(rows, completion_values(self.model, mb))
-                 for rows, mb in forward_batches(batch, self.micro_batch_size)]
+                 for rows, mb in self.micro_batches(batch)]
         return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
+
+    def micro_batches(self, batch):
+        """(rows, micro-batch) of a batch (tasks.data.forward_batches), as many on every trainer."""
+        return forward_batches(batch, self.micro_batch_size, self.micro_batch_tokens, self.group)
 
     def train_step(self, batch, norm: float):
         """One optimizer step on this rank's share of a (mini)batch that holds `values` (the
@@ -49,7 +56,7 @@ class Critic:
         if norm == 0:  # nothing in the loss on any rank (reduced, so the same everywhere): no step
             self.sched.step()
             return sums, {"value_grad_norm": torch.zeros(())}
-        mbs = [mb for _, mb in forward_batches(batch, self.micro_batch_size)]
+        mbs = [mb for _, mb in self.micro_batches(batch)]
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             v = completion_values(self.model, mb)  # [n, T]

@@ -4,16 +4,19 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from models.decoder import completion_logprobs
+from models.packing import token_budget
 from models.parallelize import load_sharded
 from tasks.data import forward_batches, scatter_rows
 
 
 class Reference:
     def __init__(self, path: str, mesh, device, param_dtype=torch.float32, temperature: float = 1.0,
-                 micro_batch_size: int = 64, releases: bool = False):
+                 micro_batch_size: int = 64, releases: bool = False, micro_batch_tokens: int = 0):
         self.model = load_sharded(path, mesh, device, param_dtype).requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens)  # tasks.data.forward_batches
+        self.group = mesh.get_group()
         self.releases = releases  # between uses its shards leave the device (`release`, `load`)
         self.shards: list = []  # the storages of this rank's shards, and their copies in host memory
         self.host: list[torch.Tensor] = []
@@ -23,7 +26,8 @@ class Reference:
         """ref_logp [N, T]: log-probs of the completion tokens under the reference policy."""
         self.load()
         logp = scatter_rows([(rows, completion_logprobs(self.model, mb, self.temperature))
-                             for rows, mb in forward_batches(batch, self.micro_batch_size)],
+                             for rows, mb in forward_batches(batch, self.micro_batch_size,
+                                                             self.micro_batch_tokens, self.group)],
                             *batch["loss_mask"].shape)  # [N, T]
         self.release()
         return logp

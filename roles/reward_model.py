@@ -10,6 +10,7 @@ import torch
 
 from models.decoder import sequence_scores
 from models.hf import check_model_dir, read_config
+from models.packing import token_budget
 from models.parallelize import load_sharded
 from models.tokenizer import check_same_tokenizer
 from tasks.data import forward_batches
@@ -36,15 +37,18 @@ def check(path: str, policy: str):
 
 
 class RewardModel:
-    def __init__(self, path: str, mesh, device, param_dtype=torch.float32, micro_batch_size: int = 64):
+    def __init__(self, path: str, mesh, device, param_dtype=torch.float32, micro_batch_size: int = 64,
+                 micro_batch_tokens: int = 0):
         self.model = load_sharded(path, mesh, device, param_dtype).requires_grad_(False)
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens)  # tasks.data.forward_batches
+        self.group = mesh.get_group()
 
     @torch.no_grad()
     def score(self, batch):
         """[N] (on the CPU): the score of each prompt + completion of a tasks.data.Batch, its
         micro-batches cut to the columns their rows use (tasks.data.forward_batches)."""
         scores = torch.empty(len(batch["input_ids"]))  # [N]
-        for rows, mb in forward_batches(batch, self.micro_batch_size):
+        for rows, mb in forward_batches(batch, self.micro_batch_size, self.micro_batch_tokens, self.group):
             scores[rows] = sequence_scores(self.model, mb).float().cpu()
         return scores

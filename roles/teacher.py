@@ -53,13 +53,13 @@ class Teacher:
     """The teacher's log-probs of each step's sampled tokens, and the distillation metrics."""
 
     def __init__(self, cfg: DistillArgs, plan, device, param_dtype, temperature: float, micro_batch: int,
-                 releases: bool | None = None):
+                 releases: bool | None = None, micro_batch_tokens: int = 0):
         self.cfg = cfg
         self.model = None
         if cfg.teacher_model:
             releases = device.type != "cpu" if releases is None else releases  # tests release on CPU
             self.model = Reference(cfg.teacher_model, plan.mesh, device, param_dtype, temperature,
-                                   micro_batch, releases)
+                                   micro_batch, releases, micro_batch_tokens)
 
     def score(self, batch, timer):
         """batch["teacher_logp"] [N, T]: the teacher's log-probs of the completion tokens (at the

@@ -13,8 +13,10 @@ import warnings
 from typing import TYPE_CHECKING, TypedDict
 
 from models import vision
+from models.packing import pack, plan_bins, split_to
 from models.tokenizer import Tokenizer
 from tasks import carries, squares
+from utils.dist import reduce
 from utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -518,18 +520,25 @@ def micro_batches(batch: dict, size: int):
         yield take_rows(batch, slice(s, s + size))
 
 
-def forward_batches(batch: dict, size: int):
+def forward_batches(batch: dict, size: int, tokens: int = 0, group=None):
     """Micro-batches for the forward and backward passes, `size` rows each, without the columns
     that are padding in every row of one: with more than one micro-batch the rows go longest
     completion first (a stable sort), so each holds rows of like length, and each is cut to its own
     longest prompt and completion. Yields (rows, micro-batch): rows, the indices [n] of its rows in
     `batch`; a per-row result [n, T'] goes back with `scatter_rows`. One micro-batch is the batch
     itself (the engine already cut T to its longest completion); a vision-language batch is sliced
-    as `micro_batches` does (its M-RoPE positions are made over the whole width)."""
+    as `micro_batches` does (its M-RoPE positions are made over the whole width).
+
+    tokens > 0 (--micro-batch-tokens): micro-batches of at most that many tokens (and `size` rows),
+    each packed into one sequence without padding, a prompt once for all of its rows in the
+    micro-batch (models/packing.py; its "packed" entry). group: the ranks that run these forwards
+    together (FSDP): every one then runs as many micro-batches, the most any of them needs."""
     import torch
 
     N, P = batch["input_ids"].shape[0], batch["prompt_len"]
-    T = batch["input_ids"].shape[1] - P
+    if tokens and "images" not in batch:
+        yield from _packed_batches(batch, size, tokens, group)
+        return
     if N <= size or "images" in batch:
         for s in range(0, N, size):
             yield torch.arange(s, min(s + size, N)), take_rows(batch, slice(s, s + size))
@@ -538,17 +547,46 @@ def forward_batches(batch: dict, size: int):
     order = torch.sort(lengths, descending=True, stable=True).indices  # [N]
     for s in range(0, N, size):
         rows = order[s:s + size]
-        mb = take_rows(batch, rows)
-        first = int(mb["valid"][:, :P].any(0).int().argmax())  # the first column any prompt uses
-        longest = max(1, int(lengths[rows].max()))  # the last column any completion uses, + 1
+        yield rows, _cut_columns(take_rows(batch, rows))
 
-        def cut(k, v):
-            if k in ("input_ids", "valid"):
-                return v[:, first:P + longest]  # [n, P - first + longest]
-            if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == T:
-                return v[:, :longest]  # [n, longest]: loss_mask, old_logp, adv, ...
-            return v
-        yield rows, {**{k: cut(k, v) for k, v in mb.items()}, "prompt_len": P - first}
+
+def _cut_columns(mb: dict) -> dict:
+    """A micro-batch without the columns that are padding in all of its rows: from its first prompt
+    column to its longest completion's end (prompt_len moves with the cut)."""
+    import torch
+
+    P = mb["prompt_len"]
+    T = mb["input_ids"].shape[1] - P
+    first = int(mb["valid"][:, :P].any(0).int().argmax())  # the first column any prompt uses
+    longest = max(1, int(mb["valid"][:, P:].sum(-1).max()))  # the last column any completion uses, + 1
+
+    def cut(k, v):
+        if k in ("input_ids", "valid"):
+            return v[:, first:P + longest]  # [n, P - first + longest]
+        if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == T:
+            return v[:, :longest]  # [n, longest]: loss_mask, old_logp, adv, ...
+        return v
+    return {**{k: cut(k, v) for k, v in mb.items()}, "prompt_len": P - first}
+
+
+def _packed_batches(batch: dict, size: int, tokens: int, group):
+    """forward_batches with a token budget: rows planned into bins (models.packing.plan_bins, a
+    group's rows together), as many bins as the group's busiest rank, each cut and packed."""
+    import torch
+
+    P, valid = batch["prompt_len"], batch["valid"]
+    prompts = batch["input_ids"][:, :P].masked_fill(~valid[:, :P], -1)  # [N, P]: a key per prompt
+    keys = [tuple(row) for row in prompts.tolist()]
+    lengths = valid.sum(-1)  # [N]
+    prompt_lens = valid[:, :P].sum(-1)  # [N]
+    bins = plan_bins(keys, prompt_lens.tolist(), (lengths - prompt_lens).tolist(), tokens, size)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        most = reduce({"bins": torch.tensor(len(bins))}, op=torch.distributed.ReduceOp.MAX, group=group)
+        bins = split_to(bins, int(most["bins"]))
+    for rows in bins:
+        rows = torch.tensor(rows, device=valid.device)
+        mb = _cut_columns(take_rows(batch, rows))
+        yield rows, {**mb, "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"])}
 
 
 def scatter_rows(parts, N: int, T: int):

@@ -48,6 +48,20 @@ def test_two_ranks_update_equals_one_rank(model_dir, step, loss_agg, micro):
 
 
 @pytest.mark.reordered
+def test_packed_micro_batches_on_two_ranks_equal_padded_rows_on_one(model_dir, step):
+    """--micro-batch-tokens 9 (models/packing.py: rows back to back, a group's prompt once) on 2
+    ranks whose own plans need different numbers of micro-batches: both run the larger number (FSDP
+    pairs its gathers), and the update is the padded 1-rank step's, to rounding of the norms."""
+    one, two = step(1, "token", 2), step(2, "token", "t9")
+    planned, runs = open(two + ".micro").read().rsplit(" ", 1)
+    planned = [int(x) for x in planned.strip("[]").split(",")]
+    assert planned[0] != planned[1] and int(runs) == max(planned)
+    assert_same_by_norm(load_file(one + ".grads"), load_file(two + ".grads"))
+    before = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert_same_first_step(load_file(one), load_file(two), before, lr=1e-2)
+
+
+@pytest.mark.reordered
 def test_a_compiled_step_is_the_eager_step(model_dir, step, tmp_path):
     """--compile (torch.compile of each decoder block, under FSDP2 on 2 ranks): the same update,
     compared as reordered runs are (tests/helpers/runs.py: inductor fuses and orders the sums its

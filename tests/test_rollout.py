@@ -1,4 +1,6 @@
 """The native engine against transformers: greedy tokens, sampled log-probs, sampler law."""
+import dataclasses
+
 import pytest
 import torch
 from conftest import hf_checkpoint
@@ -80,6 +82,30 @@ def test_the_static_step_of_the_cuda_graph_generates_what_the_eager_step_does(de
     a, b = eager.generate(ps, sp, list(range(len(ps)))), static.generate(ps, sp, list(range(len(ps))))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
     assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
+@pytest.mark.reordered
+def test_a_groups_prompt_is_prefilled_once_and_samples_as_if_each_had_its_own(decode_model, monkeypatch):
+    """NativeEngine._prefill: n = 4 samples of each prompt run the prefill over the distinct prompts
+    only (6 rows, not 24), their keys and values copied to the 4 rows; at temperature 0 every sample
+    is what the same prompt, given 4 times and prefilled 4 times, gives: the same tokens, log-probs
+    within 1e-5 (the same math on another batch size may round otherwise)."""
+    path, _ = decode_model
+    eng = engine_for(path)
+    ps = prompts(eng.tok)
+    rows, call = [], type(eng.decoder).__call__  # the rows of each prefill
+
+    def counted(self, tokens, *args, **kw):
+        rows.append(len(tokens))
+        return call(self, tokens, *args, **kw)
+    monkeypatch.setattr(type(eng.decoder), "__call__", counted)
+    sp = SamplingParams(n=4, temperature=0, max_new_tokens=12)
+    grouped = eng.generate(ps, sp, list(range(6)))
+    each = eng.generate([p for p in ps for _ in range(4)], dataclasses.replace(sp, n=1),
+                        [i for i in range(6) for _ in range(4)])
+    assert rows == [6, 24]  # the prefills: once per prompt, then once per copy
+    assert torch.equal(grouped.tokens, each.tokens) and torch.equal(grouped.lengths, each.lengths)
+    assert (grouped.logprobs - each.logprobs).abs().max() < 1e-5
 
 
 @pytest.mark.reordered

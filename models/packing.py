@@ -1,0 +1,174 @@
+"""Packed micro-batches: a micro-batch's rows laid back to back in one sequence, with no padding
+and each distinct prompt once, its completions attending to it through a block mask.
+
+The padded layout (tasks.data.make_batch) runs every row's prompt, and pads each row to the
+longest in its micro-batch. A GRPO group's n completions share one prompt, and on a reasoning task
+the prompt is most of a row (builtin:carries: 161 of ~260 tokens), so the trainer computes the same
+prompt n times over and then the padding. Packed, a bin of rows is one sequence:
+
+    [prompt a][completion a1][completion a2] ... [prompt b][completion b1] ...
+
+and a token attends to an earlier token of the same prompt's block that is either in the prompt or
+in its own completion (`block_mask`). Positions count from each prompt's first real token, so every
+completion token sees the same keys at the same positions as in its padded row, and its log-prob is
+the padded row's up to fp32 rounding; the gradient reaches the shared prompt's activations from all
+of its completions (summed, as the padded rows' would be). Prefix Grouper (Liu et al. 2025,
+arXiv 2506.05433) computes the shared prefix once in the same way; the packing of rows by a token
+budget is what veRL's and OpenRLHF's remove-padding modes do.
+
+The attention runs as one SDPA with the explicit boolean mask [1, 1, S, S] (`models.decoder`'s
+Attention, unchanged), so the scores of a bin cost S^2 whatever the mask hides: a bin's token budget
+bounds that (tasks.data.forward_batches). flex_attention would skip the hidden blocks; not used.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def plan_bins(keys: list, prompt_lens: list[int], completion_lens: list[int], budget: int,
+              rows: int | None = None) -> list[list[int]]:
+    """Rows into bins of at most `budget` tokens and `rows` rows, a prompt counted once per bin for
+    the rows that share its key (a row alone over the budget is a bin of its own). Rows of one key
+    are taken together, keys in order of first appearance -> lists of row indices."""
+    first = {}
+    for r, k in enumerate(keys):
+        first.setdefault(k, r)
+    bins, used, held = [], 0, set()
+    for r in sorted(range(len(keys)), key=lambda r: first[keys[r]]):
+        cost = completion_lens[r] + (0 if keys[r] in held else prompt_lens[r])
+        if not bins or used + cost > budget or len(bins[-1]) == rows:
+            bins.append([])
+            used, held, cost = 0, set(), completion_lens[r] + prompt_lens[r]
+        bins[-1].append(r)
+        used += cost
+        held.add(keys[r])
+    return bins
+
+
+def split_to(bins: list[list[int]], count: int) -> list[list[int]]:
+    """`count` bins from fewer, halving the bin of most rows each time (every rank of an FSDP group
+    must run as many forwards). ValueError when no bin has 2 rows left to split."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        i = max(range(len(bins)), key=lambda j: len(bins[j]))
+        if len(bins[i]) < 2:
+            raise ValueError(f"{len(bins)} rows cannot make the {count} micro-batches another rank runs: "
+                             "give every rank as many rows, or raise --micro-batch-tokens")
+        half = len(bins[i]) // 2
+        bins[i:i + 1] = [bins[i][:half], bins[i][half:]]
+    return bins
+
+
+def pack(input_ids, valid, prompt_len: int, share: bool = True) -> dict:
+    """One packed sequence of a padded micro-batch's rows: input_ids, valid [n, P+T] (prompts
+    left-padded to P, completions right-padded). -> {"input_ids" [1, S], "positions" [1, S],
+    "mask": its `Segments`, "flat" [n, P+T]: where each padded column's token sits in the sequence
+    (-1 on padding)}. share: rows whose prompts are equal (tokens and length) hold one copy of it;
+    False: every row its own."""
+    P = prompt_len
+    flat = torch.full(valid.shape, -1, dtype=torch.long)
+    ids, pos, pieces = [], [], []
+    held = {}  # prompt key -> (start, length) of its tokens in the sequence
+    rows_ids, rows_valid = input_ids.cpu(), valid.cpu()
+    for r in range(input_ids.shape[0]):
+        cols = rows_valid[r].nonzero()[:, 0]  # [L_r] the row's real columns, prompt then completion
+        prompt_cols, completion_cols = cols[cols < P], cols[cols >= P]
+        prompt = rows_ids[r, prompt_cols].tolist()
+        key = tuple(prompt) if share else r
+        if key not in held:
+            held[key] = (len(ids), len(prompt))
+            pieces.append((held[key],))
+            ids += prompt
+            pos += range(len(prompt))
+        start, length = held[key]
+        flat[r, prompt_cols] = torch.arange(start, start + length)
+        flat[r, completion_cols] = torch.arange(len(ids), len(ids) + len(completion_cols))
+        if len(completion_cols):
+            pieces.append((held[key], (len(ids), len(completion_cols))))
+        ids += rows_ids[r, completion_cols].tolist()
+        pos += range(length, length + len(completion_cols))
+    dev = input_ids.device
+    return {"input_ids": torch.tensor([ids], device=dev), "positions": torch.tensor([pos], device=dev),
+            "mask": Segments(pieces).to(dev), "flat": flat.to(dev)}
+
+
+class Segments:
+    """The attention of a packed sequence, in place of a mask: a prompt's queries see its own earlier
+    tokens (causal), a completion's see its prompt and its own earlier tokens (causal aligned to the
+    bottom right: query i of a completion after a prompt of p tokens sees keys 0..p+i). Nothing is
+    computed for what a block mask over the whole sequence would hide (S^2 scores: on builtin:carries'
+    groups, 3x the time of the attention done piece by piece).
+
+    pieces: in sequence order, ((start, length),) for a prompt and ((its prompt's start, length),
+    (start, length)) for a completion; a piece's queries are its last span, its keys all of its spans.
+    Pieces of like size go together into one SDPA (`buckets`), each padded to the bucket's longest
+    queries and keys, its padding masked: one call per piece costs ~0.1 ms of overhead forward and
+    backward (the default task's 144 pieces a layer made its training step 1.7x slower), one call for
+    pieces of unlike size computes the padding."""
+
+    def __init__(self, pieces: list[tuple], waste: float = 1.25):
+        self.buckets = [self._bucket(b) for b in buckets(pieces, waste)]
+        where = torch.cat([q[ok] for q, _, _, ok in self.buckets])  # [S] each output's position, bucket order
+        self.order = torch.empty_like(where)
+        self.order[where] = torch.arange(len(where))  # [S]: sequence position -> its output's row
+
+    @staticmethod
+    def _bucket(pieces: list[tuple]):
+        """(queries [m, Lq], keys [m, Lk] as sequence positions (0 on padding), mask [m, 1, Lq, Lk]
+        bool, real queries [m, Lq] bool) of one bucket."""
+        Lq = max(p[-1][1] for p in pieces)
+        Lk = max(sum(n for _, n in p) for p in pieces)
+        queries = torch.zeros(len(pieces), Lq, dtype=torch.long)
+        keys = torch.zeros(len(pieces), Lk, dtype=torch.long)
+        lq, lk = torch.zeros(len(pieces), 1, dtype=torch.long), torch.zeros(len(pieces), 1, dtype=torch.long)
+        for i, spans in enumerate(pieces):
+            qs, ql = spans[-1]
+            queries[i, :ql] = torch.arange(qs, qs + ql)
+            k = torch.cat([torch.arange(s, s + n) for s, n in spans])
+            keys[i, :len(k)] = k
+            lq[i], lk[i] = ql, len(k)
+        i, j = torch.arange(Lq)[None, :, None], torch.arange(Lk)[None, None, :]  # [1, Lq, 1], [1, 1, Lk]
+        seen = (j <= i + (lk - lq)[:, :, None]) & (j < lk[:, :, None])  # [m, Lq, Lk]
+        seen |= j == 0  # a padding query sees key 0: no empty softmax (its output is dropped)
+        return queries, keys, seen[:, None], torch.arange(Lq)[None] < lq
+
+    def to(self, device):
+        """This layout's index tensors on `device` (once per micro-batch, not per layer)."""
+        self.buckets = [tuple(t.to(device) for t in b) for b in self.buckets]
+        self.order = self.order.to(device)
+        return self
+
+    def attend(self, q, k, v, gqa: bool):
+        """q [1, H, S, D], k, v [1, KV, S, D] -> [1, H, S, D]."""
+        out = []
+        for queries, keys, mask, ok in self.buckets:
+            qq = q[0][:, queries].transpose(0, 1)  # [m, H, Lq, D]
+            kk, vv = (x[0][:, keys].transpose(0, 1) for x in (k, v))  # [m, KV, Lk, D]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)  # [m, H, Lq, D]
+            out.append(o.transpose(1, 2)[ok])  # [real queries, H, D]
+        return torch.cat(out)[self.order].transpose(0, 1)[None]  # [1, H, S, D] in sequence order
+
+
+def buckets(pieces: list[tuple], waste: float) -> list[list[tuple]]:
+    """Pieces grouped for batched attention: by query length, longest first, a piece joining the
+    current bucket while the bucket's padded area (pieces x longest queries x longest keys) stays
+    within `waste` times the sum of its pieces' own areas."""
+    def size(p):
+        return p[-1][1], sum(n for _, n in p)  # (queries, keys)
+    out, area = [], 0
+    for p in sorted(pieces, key=size, reverse=True):
+        lq, lk = size(p)
+        if out:
+            Lq, Lk = size(out[-1][0])[0], max(lk, max(size(x)[1] for x in out[-1]))
+            if (len(out[-1]) + 1) * Lq * Lk <= waste * (area + lq * lk):
+                out[-1].append(p)
+                area += lq * lk
+                continue
+        out.append([p])
+        area = lq * lk
+    return out
+
+
+def token_budget(model, tokens: int) -> int:
+    """--micro-batch-tokens for this model's forward: `tokens`, or 0 (rows, padded) for a Qwen2-VL
+    model, whose M-RoPE positions and images are made over the padded layout (models/qwen2_vl.py)."""
+    return tokens if getattr(model.config, "vision", None) is None else 0
