@@ -14,11 +14,11 @@ train exactly the same tokens; 8 prompts x 8 samples a step:
     builtin:carries' samples have mean 97, p95 257).
 Each (size, shape, layout) runs in its own process (its peak RSS is its own), one thread for each
 of this machine's 2 cores, the layouts alternating over --rounds; each reports the median of
---steps steps after --warmup untimed ones. A step is what the actor's train_step runs: forward_batches'
-micro-batches (padded: --micro-batch-size 256 rows, the default; packed: --micro-batch-tokens 4096,
-the default), the log-probs, a loss, its backward. FLOPs: 6 x matmul params per token computed
-(forward and backward), plus 12 x layers x heads x head_dim per attention score computed (padded:
-every row's L x L, its mask's hidden ones too; packed: the buckets' padded areas).
+--steps steps after --warmup untimed ones. A step is what the actor's train_step runs:
+forward_batches' micro-batches (`LAYOUTS`), the log-probs, a loss, its backward. A layout killed
+for memory (this machine has 24 GiB) is a row that says so. FLOPs: 6 x matmul params per token
+computed (forward and backward), plus 12 x layers x heads x head_dim per attention score computed
+(padded: every row's L x L, its mask's hidden ones too; packed: the buckets' padded areas).
 """
 import argparse
 import json
@@ -36,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS, N_GEN = 8, 8
 SHAPES = ("today", "reasoning")
-LAYOUTS = {"padded": 0, "packed": 4096}  # --micro-batch-tokens
+# (--micro-batch-size, --micro-batch-tokens): padded at the default rows (all 64 in one micro-batch),
+# padded in micro-batches of 8 (rows sorted by length first: less padding), packed at the default
+LAYOUTS = {"padded": (256, 0), "padded, 8 rows": (8, 0), "packed": (256, 4096)}
 
 
 def rows(shape: str, seed: int = 0):
@@ -51,7 +53,7 @@ def rows(shape: str, seed: int = 0):
     return [p for p in prompts for _ in range(N_GEN)], lengths
 
 
-def one(size: str, shape: str, budget: int, steps: int, warmup: int) -> dict:
+def one(size: str, shape: str, rows_per: int, budget: int, steps: int, warmup: int) -> dict:
     """In this process: `warmup` + `steps` forward/backward passes of one layout -> its figures."""
     import torch
 
@@ -74,7 +76,7 @@ def one(size: str, shape: str, budget: int, steps: int, warmup: int) -> dict:
     computed, scores, times = 0, 0, []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
-        for _, mb in forward_batches(batch, 256, budget):
+        for _, mb in forward_batches(batch, rows_per, budget):
             logp = completion_logprobs(model, mb, 1.0)  # [n, T]
             (logp * mb["loss_mask"]).sum().backward()
             if step == 0:
@@ -102,30 +104,42 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # size shape budget: run one in this process
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # size shape rows tokens: one, in this process
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], args.one[1], int(args.one[2]), args.steps, args.warmup)))
+        size, shape, rows_per, budget = args.one
+        print(json.dumps(one(size, shape, int(rows_per), int(budget), args.steps, args.warmup)))
         return
     table = []
     for size in args.sizes:
         for shape in args.shapes:
-            got = {k: [] for k in LAYOUTS}
+            got = {k: [] for k in args.layouts}
             for r in range(args.rounds):
-                for name, budget in LAYOUTS.items():
+                for name in args.layouts:
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           "--one", size, shape, str(budget)]
-                    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                         env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout
-                    got[name].append(json.loads(out.strip().splitlines()[-1]))
-                last = ", ".join(f"{k} {v[-1]['s']:.3f} s" for k, v in got.items())
+                           "--one", size, shape, *map(str, LAYOUTS[name])]
+                    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+                    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                    if p.returncode:  # killed for memory (SIGKILL) or failed: a row that says so
+                        why = ", killed (out of memory)" if p.returncode == -9 else ""
+                        got[name].append({"failed": f"exit {p.returncode}{why}"})
+                        print(p.stderr[-2000:], file=sys.stderr)
+                    else:
+                        got[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
+                last = ", ".join(f"{k} {v[-1].get('s', v[-1].get('failed'))}" for k, v in got.items())
                 print(f"{size} {shape} round {r + 1}: {last}", flush=True)
-            med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in got.items()}
-            for name, m in med.items():
+            base = [x["s"] for x in got.get("padded", []) if "s" in x]
+            for name, runs in got.items():
+                ok = [x for x in runs if "s" in x]
+                if not ok:
+                    table.append((size, shape, name, *["-"] * 6, runs[0]["failed"]))
+                    continue
+                m = {f: statistics.median(x[f] for x in ok) for f in ok[0]}
+                vs = f"{m['s'] / statistics.median(base):.2f}x" if base else "-"
                 table.append((f"{m['params'] / 1e6:.1f}M ({size})", shape, name, f"{m['tokens']:.0f}",
-                              f"{m['trained']:.0f}", f"{m['gflop']:.0f}", f"{m['s']:.3f}",
-                              f"{m['s'] / med['padded']['s']:.2f}x", f"{m['gflop'] / m['s']:.0f}",
-                              f"{m['rss']:.0f}"))
+                              f"{m['trained']:.0f}", f"{m['gflop']:.0f}", f"{m['s']:.3f}", vs,
+                              f"{m['gflop'] / m['s']:.0f}", f"{m['rss']:.0f}"))
     print(f"\n{PROMPTS} prompts x {N_GEN} samples; forward + backward of one step's rows; medians of "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} untimed, 2 threads\n")
     print_table(("model", "shape", "layout", "tokens computed", "completion tokens", "GFLOP", "s/step",

@@ -13,7 +13,7 @@ import warnings
 from typing import TYPE_CHECKING, TypedDict
 
 from models import vision
-from models.packing import pack, plan_bins, split_to
+from models.packing import pack, plan_bins, prompt_keys, split_to
 from models.tokenizer import Tokenizer
 from tasks import carries, squares
 from utils.dist import reduce
@@ -575,8 +575,7 @@ def _packed_batches(batch: dict, size: int, tokens: int, group):
     import torch
 
     P, valid = batch["prompt_len"], batch["valid"]
-    prompts = batch["input_ids"][:, :P].masked_fill(~valid[:, :P], -1)  # [N, P]: a key per prompt
-    keys = [tuple(row) for row in prompts.tolist()]
+    keys = prompt_keys(batch["input_ids"], valid, P).tolist()  # [N]
     lengths = valid.sum(-1)  # [N]
     prompt_lens = valid[:, :P].sum(-1)  # [N]
     bins = plan_bins(keys, prompt_lens.tolist(), (lengths - prompt_lens).tolist(), tokens, size)
