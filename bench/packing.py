@@ -133,7 +133,7 @@ def main():
             for name, runs in got.items():
                 ok = [x for x in runs if "s" in x]
                 if not ok:
-                    table.append((size, shape, name, *["-"] * 6, runs[0]["failed"]))
+                    table.append((size, shape, name, "-", "-", "-", runs[0]["failed"], "-", "-", "-"))
                     continue
                 m = {f: statistics.median(x[f] for x in ok) for f in ok[0]}
                 vs = f"{m['s'] / statistics.median(base):.2f}x" if base else "-"
