@@ -33,6 +33,7 @@ from engines.decode import SamplingParams
 from engines.native import NativeEngine
 from models.decoder import completion_logprobs
 from models.hf import read_config, save_model
+from models.packing import token_budget
 from models.parallelize import load_sharded
 from models.tokenizer import Tokenizer
 from roles.reward import Reward
@@ -183,8 +184,8 @@ if __name__ == "__main__":
         K = max(1, int(dist.reduce({"rows": nonzero.sum()}, op=MAX)["rows"]))
         batch = take_rows(batch, torch.argsort((~nonzero).to(torch.uint8), stable=True)[:K])  # [K, ...]
         # micro-batches of rows back to back without padding, a group's prompt once (tasks/data.py)
-        micro = [mb for _, mb in forward_batches(batch, args.micro_batch_size, args.micro_batch_tokens,
-                                                 mesh.get_group())]
+        packed = token_budget(model, args.micro_batch_tokens)  # 0 for a Qwen2-VL model: rows
+        micro = [mb for _, mb in forward_batches(batch, args.micro_batch_size, packed, mesh.get_group())]
         pg_sum, clipped_sum, gap_max = 0.0, 0, torch.zeros(())
         for i, mb in enumerate(micro):
             # gradients are reduce-scattered after the last micro-batch only (no traffic before it)

@@ -106,7 +106,7 @@ class Args:
     micro_batch_tokens: int = 4096
     """>0: micro-batches of at most this many tokens (and --micro-batch-size rows), each packed into
     one sequence without padding and with each group's prompt once, exact to fp32 rounding
-    (models/packing.py; docs/packing.md); 0: rows, padded. A Qwen2-VL model runs rows"""
+    (models/packing.py; docs/packing.md); 0: rows, padded. A Qwen2-VL model and --compile run rows"""
     compute: Flat[ComputeArgs] = field(default_factory=ComputeArgs)
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
     placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)

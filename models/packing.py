@@ -45,14 +45,13 @@ def plan_bins(keys: list, prompt_lens: list[int], completion_lens: list[int], bu
 
 
 def split_to(bins: list[list[int]], count: int) -> list[list[int]]:
-    """`count` bins from fewer, halving the bin of most rows each time (every rank of an FSDP group
-    must run as many forwards). ValueError when no bin has 2 rows left to split."""
+    """Up to `count` bins from fewer, halving the bin of most rows each time (every rank of an FSDP
+    group must run as many forwards), until every bin is one row."""
     bins = [list(b) for b in bins]
     while len(bins) < count:
         i = max(range(len(bins)), key=lambda j: len(bins[j]))
         if len(bins[i]) < 2:
-            raise ValueError(f"{len(bins)} rows cannot make the {count} micro-batches another rank runs: "
-                             "give every rank as many rows, or raise --micro-batch-tokens")
+            break
         half = len(bins[i]) // 2
         bins[i:i + 1] = [bins[i][:half], bins[i][half:]]
     return bins
@@ -182,7 +181,9 @@ def buckets(pieces: list[tuple], waste: float) -> list[list[tuple]]:
     return out
 
 
-def token_budget(model, tokens: int) -> int:
+def token_budget(model, tokens: int, compile: bool = False) -> int:
     """--micro-batch-tokens for this model's forward: `tokens`, or 0 (rows, padded) for a Qwen2-VL
-    model, whose M-RoPE positions and images are made over the padded layout (models/qwen2_vl.py)."""
-    return tokens if getattr(model.config, "vision", None) is None else 0
+    model, whose M-RoPE positions and images are made over the padded layout (models/qwen2_vl.py),
+    and under --compile (each block compiled whole, fullgraph: `Segments` indexes by masks and its
+    buckets change with every micro-batch)."""
+    return tokens if getattr(model.config, "vision", None) is None and not compile else 0

@@ -64,7 +64,7 @@ class Actor:
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
-        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens)
+        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens, compile)
         # fused: one kernel for all parameters (the per-tensor loop cost 30 ms a step on the
         # 2.5M-param bench model, this 5)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only

@@ -27,7 +27,7 @@ class Critic:
         self.max_grad_norm = max_grad_norm
         self.value_clip = value_clip
         self.micro_batch_size = micro_batch_size
-        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens)
+        self.micro_batch_tokens = token_budget(self.model, micro_batch_tokens, compile)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                      betas=(0.9, 0.99), fused=True)
         schedule = partial(lr_factor, warmup_steps, decay_steps)

@@ -579,13 +579,30 @@ def _packed_batches(batch: dict, size: int, tokens: int, group):
     lengths = valid.sum(-1)  # [N]
     prompt_lens = valid[:, :P].sum(-1)  # [N]
     bins = plan_bins(keys, prompt_lens.tolist(), (lengths - prompt_lens).tolist(), tokens, size)
+    most = len(bins)
     if group is not None and torch.distributed.get_world_size(group) > 1:
-        most = reduce({"bins": torch.tensor(len(bins))}, op=torch.distributed.ReduceOp.MAX, group=group)
-        bins = split_to(bins, int(most["bins"]))
+        most = int(reduce({"bins": len(bins)}, op=torch.distributed.ReduceOp.MAX, group=group)["bins"])
+        bins = split_to(bins, most)
     for rows in bins:
-        rows = torch.tensor(rows, device=valid.device)
+        rows = torch.tensor(rows)  # on the CPU, as the padded path's: it indexes results on any device
         mb = _cut_columns(take_rows(batch, rows))
         yield rows, {**mb, "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"])}
+    for _ in range(most - len(bins)):  # too few rows here to split into as many: forwards that count nothing
+        yield _idle(batch)
+
+
+def _idle(batch: dict):
+    """A micro-batch that pairs another rank's FSDP forward and backward and adds nothing: the first
+    row with every token out of the loss, for no row (rows is empty: its results go nowhere)."""
+    import torch
+
+    if not len(batch["input_ids"]):
+        raise UserError("a trainer rank holds no rows while another runs micro-batches: every rank needs "
+                        "rows to run the same forwards (FSDP)")
+    mb = _cut_columns(take_rows(batch, slice(0, 1)))
+    mb = {**mb, "loss_mask": torch.zeros_like(mb["loss_mask"]),
+          "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"])}
+    return torch.zeros(0, dtype=torch.long), mb
 
 
 def scatter_rows(parts, N: int, T: int):

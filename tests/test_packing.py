@@ -8,7 +8,7 @@ from models.config import ModelConfig
 from models.decoder import completion_logprobs, completion_values, sequence_scores
 from models.hf import build
 from models.packing import plan_bins, split_to
-from tasks.data import forward_batches, make_batch, scatter_rows
+from tasks.data import forward_batches, make_batch, scatter_rows, take_rows
 from tests.helpers.runs import assert_same_by_norm
 
 
@@ -132,5 +132,24 @@ def test_bins_keep_a_group_together_and_count_its_prompt_once():
     assert plan_bins(keys, [10, 4, 10, 6, 10], [5, 3, 5, 20, 5], budget=1) == [[0], [2], [4], [1], [3]]
     assert plan_bins(keys, [10, 4, 10, 6, 10], [5, 3, 5, 20, 5], budget=100, rows=2) == [[0, 2], [4, 1], [3]]
     assert split_to(bins, 4) == [[0], [2, 4], [1], [3]]
-    with pytest.raises(ValueError, match="micro-batches another rank runs"):
-        split_to([[0], [1]], 3)
+    assert split_to([[0], [1]], 3) == [[0], [1]]  # one row each: forward_batches adds idle ones
+
+
+def test_a_rank_with_too_few_rows_runs_idle_micro_batches(monkeypatch):
+    """Ranks of unequal rows (a reward model's scoring waves): when another rank needs more packed
+    micro-batches than this one's rows can make, this one runs the rest on its first row with no
+    token in the loss and no row to write to (the padded path ran one micro-batch per 256 rows, so
+    these ranks could hang or run unlike forwards)."""
+    from tasks import data
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(data, "reduce", lambda values, op, group: {"bins": 5.0})  # the other rank's plan
+    batch = grouped_batch()
+    parts = list(forward_batches(take_rows(batch, slice(0, 3)), 256, 10 ** 6, group="trainers"))
+    assert len(parts) == 5
+    assert [len(rows) for rows, _ in parts] == [1, 1, 1, 0, 0]  # split to one row each, then two idle
+    for rows, mb in parts[3:]:
+        assert mb["loss_mask"].sum() == 0 and rows.device.type == "cpu"
+        logp = completion_logprobs(tiny(), mb, 1.0)
+        assert torch.isfinite(logp).all()
+    assert scatter_rows([(r, torch.ones(len(r) or 1, 2)) for r, _ in parts], 3, 2).eq(1).all()
