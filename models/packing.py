@@ -1,5 +1,5 @@
 """Packed micro-batches: a micro-batch's rows laid back to back in one sequence, with no padding
-and each distinct prompt once, its completions attending to it through a block mask.
+and each distinct prompt once, its completions attending to it.
 
 The padded layout (tasks.data.make_batch) runs every row's prompt, and pads each row to the
 longest in its micro-batch. A GRPO group's n completions share one prompt, and on a reasoning task
@@ -9,16 +9,17 @@ prompt n times over and then the padding. Packed, a bin of rows is one sequence:
     [prompt a][completion a1][completion a2] ... [prompt b][completion b1] ...
 
 and a token attends to an earlier token of the same prompt's block that is either in the prompt or
-in its own completion (`block_mask`). Positions count from each prompt's first real token, so every
+in its own completion (`Segments`). Positions count from each prompt's first real token, so every
 completion token sees the same keys at the same positions as in its padded row, and its log-prob is
 the padded row's up to fp32 rounding; the gradient reaches the shared prompt's activations from all
 of its completions (summed, as the padded rows' would be). Prefix Grouper (Liu et al. 2025,
 arXiv 2506.05433) computes the shared prefix once in the same way; the packing of rows by a token
 budget is what veRL's and OpenRLHF's remove-padding modes do.
 
-The attention runs as one SDPA with the explicit boolean mask [1, 1, S, S] (`models.decoder`'s
-Attention, unchanged), so the scores of a bin cost S^2 whatever the mask hides: a bin's token budget
-bounds that (tasks.data.forward_batches). flex_attention would skip the hidden blocks; not used.
+The attention (`Segments`, which models.decoder's Attention takes in place of a mask) computes each
+piece's scores over exactly its keys, pieces of like size batched into one SDPA; one SDPA with the
+block mask [1, 1, S, S] would compute the S^2 scores the mask hides. flex_attention would skip the
+hidden blocks in one kernel; not used (docs/packing.md).
 """
 import torch
 import torch.nn.functional as F
@@ -57,16 +58,15 @@ def split_to(bins: list[list[int]], count: int) -> list[list[int]]:
     return bins
 
 
-def pack(input_ids, valid, prompt_len: int, share: bool = True) -> dict:
+def pack(input_ids, valid, prompt_len: int, key) -> dict:
     """One packed sequence of a padded micro-batch's rows: input_ids, valid [n, P+T] (prompts
-    left-padded to P, completions right-padded). -> {"input_ids" [1, S], "positions" [1, S],
-    "mask": its `Segments`, "flat" [n, P+T]: where each padded column's token sits in the sequence
-    (-1 on padding)}. Row by row: the row's prompt if no earlier row holds it, then its completion.
-    share: rows whose prompts are equal (tokens and length) hold one copy of it; False: each its own."""
+    left-padded to P, completions right-padded), key [n] (`prompt_keys`: rows of one key hold one
+    copy of their prompt). -> {"input_ids" [1, S], "positions" [1, S], "mask": its `Segments`,
+    "flat" [n, P+T]: where each padded column's token sits in the sequence (-1 on padding)}. Row by
+    row: the row's prompt if no earlier row holds it, then its completion."""
     P = prompt_len
-    ids, valid = input_ids.cpu(), valid.cpu()
+    ids, valid, key = input_ids.cpu(), valid.cpu(), key.cpu()
     n = ids.shape[0]
-    key = prompt_keys(ids, valid, P) if share else torch.arange(n)  # [n]
     first = torch.full((int(key.max()) + 1,), n).scatter_reduce(0, key, torch.arange(n), "amin")[key]  # [n]
     is_first = first == torch.arange(n)  # [n] the row that holds its prompt
     kept = valid.clone()  # [n, P+T] the cells the sequence holds, in row-major order

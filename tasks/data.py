@@ -575,10 +575,10 @@ def _packed_batches(batch: dict, size: int, tokens: int, group):
     import torch
 
     P, valid = batch["prompt_len"], batch["valid"]
-    keys = prompt_keys(batch["input_ids"], valid, P).tolist()  # [N]
+    keys = prompt_keys(batch["input_ids"], valid, P)  # [N]
     lengths = valid.sum(-1)  # [N]
     prompt_lens = valid[:, :P].sum(-1)  # [N]
-    bins = plan_bins(keys, prompt_lens.tolist(), (lengths - prompt_lens).tolist(), tokens, size)
+    bins = plan_bins(keys.tolist(), prompt_lens.tolist(), (lengths - prompt_lens).tolist(), tokens, size)
     most = len(bins)
     if group is not None and torch.distributed.get_world_size(group) > 1:
         most = int(reduce({"bins": len(bins)}, op=torch.distributed.ReduceOp.MAX, group=group)["bins"])
@@ -586,7 +586,7 @@ def _packed_batches(batch: dict, size: int, tokens: int, group):
     for rows in bins:
         rows = torch.tensor(rows)  # on the CPU, as the padded path's: it indexes results on any device
         mb = _cut_columns(take_rows(batch, rows))
-        yield rows, {**mb, "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"])}
+        yield rows, {**mb, "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"], keys[rows])}
     for _ in range(most - len(bins)):  # too few rows here to split into as many: forwards that count nothing
         yield _idle(batch)
 
@@ -601,7 +601,7 @@ def _idle(batch: dict):
                         "rows to run the same forwards (FSDP)")
     mb = _cut_columns(take_rows(batch, slice(0, 1)))
     mb = {**mb, "loss_mask": torch.zeros_like(mb["loss_mask"]),
-          "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"])}
+          "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"], torch.zeros(1, dtype=torch.long))}
     return torch.zeros(0, dtype=torch.long), mb
 
 
