@@ -29,7 +29,10 @@ reasoning: a reasoning run's shape (issue 54): a ~200-token system prompt shared
   (packed micro-batches of <= 4096 tokens, each group's prompt once). Each side's trained tokens per
   step come from its own lengths: TRL pads every row to the longest prompt and the longest
   completion of the step's 64; ours computes each group's prompt once and each completion's own
-  tokens.
+  tokens. Both sides train at a learning rate of 1e-12: the same work (forward, backward, Adam), with
+  the lengths kept as calibrated (at 1e-5, one Adam step of the 76M model's took our mean length
+  from 84 to 20 and TRL's the other way, to 266: the sign-like first steps of Adam move EOS's logit
+  by nats at that size).
 """
 import argparse
 import json
@@ -62,6 +65,7 @@ args = ap.parse_args()
 P, G, T = 8, 8, 64
 PROMPT_LEN = 12  # "What is 12 + 34? Answer:" in the bench tokenizer: measured range 11-13 tokens
 LONG_T, EOS_RATE = 384, 1 / 96  # the reasoning shape's cap and per-token EOS probability
+STILL = "1e-12"  # the reasoning shape's learning rate: the model (and so the lengths) stay put
 
 
 def run(cmd):
@@ -88,23 +92,24 @@ def trl_reasoning(model_dir, data):
     out, rss = run([args.trl_python, os.path.join(ROOT, "bench/trl_reasoning.py"), "--model-dir", model_dir,
                     "--prompts", data, "--steps", str(args.reasoning_steps), "--prompts-per-step", str(P),
                     "--num-generations", str(G), "--max-new-tokens", str(LONG_T),
-                    "--workdir", args.workdir + "-trl-reasoning"])
+                    "--workdir", args.workdir + "-trl-reasoning", "--lr", STILL])
     res = json.loads(out.strip().splitlines()[-1])
     return {"step": res["s_per_step_median"], "rss": rss, "len": statistics.mean(res["mean_length"][1:]),
-            "max_len": statistics.mean(res["max_length"][1:])}
+            "max_len": statistics.mean(res["max_length"][1:]), "lens": res["mean_length"]}
 
 
-def ours(model_dir, data, *flags, steps=None, new_tokens=T):
+def ours(model_dir, data, *flags, steps=None, new_tokens=T, lr="1e-5"):
     steps = steps or args.steps
     run_dir = os.path.join(args.workdir + "-ours", "run")
     out, rss = run([sys.executable, "train_grpo.py", "--model", model_dir, "--dataset", data,
                     "--eval-every", "0", "--steps", str(steps), "--prompts-per-step", str(P),
                     "--num-generations", str(G), "--max-new-tokens", str(new_tokens), "--run-dir", run_dir,
-                    "--no-save-final", "--lr", "1e-5", "--rewards", "bench.common:parity_reward", *flags])
+                    "--no-save-final", "--lr", lr, "--rewards", "bench.common:parity_reward", *flags])
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][:steps]
     med = {k: statistics.median(r[f"perf/{k}_s"] for r in rows[1:]) for k in ("step", "generate", "train")}
-    return {**med, "first": rows[0]["perf/step_s"], "rss": rss,
-            "len": statistics.mean(r["rollout/response_len"] for r in rows[1:])}
+    lens = [r["rollout/response_len"] for r in rows]
+    return {**med, "first": rows[0]["perf/step_s"], "rss": rss, "len": statistics.mean(lens[1:]),
+            "lens": lens}
 
 
 def prompts_file(name, make):
@@ -168,6 +173,11 @@ def eos_checkpoint(src: str, dst: str, rate: float) -> tuple[float, float]:
     return prob(lo).mean().item(), prob(lo).std().item()
 
 
+def medians(res):
+    """{side: [run's figures]} -> {side: {figure: median over the runs}} (the per-step lengths left out)."""
+    return {k: {f: statistics.median(x[f] for x in v) for f in v[0] if f != "lens"} for k, v in res.items()}
+
+
 def today(size):
     """Today's shape at one size: table rows and a note."""
     hidden, layers = map(int, size.split("x"))
@@ -178,12 +188,12 @@ def today(size):
         res[TRL].append(got)
         res[EAGER].append(ours(model_dir, data))
         res[COMPILED].append(ours(model_dir, data, "--compile"))
-        print(f"{size} today round {r + 1}: " + ", ".join(f"{k} {v[-1]['step']:.3f} s" for k, v in res.items()),
-              flush=True)
+        print(f"{size} today round {r + 1}: "
+              + ", ".join(f"{k} {v[-1]['step']:.3f} s" for k, v in res.items()), flush=True)
     cfg = read_config(model_dir)
     gen = sum(flops_per_token(cfg, PROMPT_LEN + t) for t in range(T)) * P * G
     train = 3 * flops_per_token(cfg, (PROMPT_LEN + T) // 2) * (PROMPT_LEN + T) * P * G
-    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in res.items()}
+    med = medians(res)
     for k, m in med.items():
         share = lambda flops, s: f"{s:6.3f} ({flops / s / 1e9 / roof:4.0%})"  # noqa: E731
         phases = (share(gen, m["generate"]), share(train, m["train"])) if k != TRL else ("-", "-")
@@ -192,7 +202,8 @@ def today(size):
                       f"{(gen + train) / m['step'] / 1e9 / roof:.1%}", *phases))
     eager, compiled = med[EAGER], med[COMPILED]
     saved = (eager["step"] - compiled["step"]) * 800 - (compiled["first"] - eager["first"])
-    return table, (f"{size}: --compile's first step {compiled['first']:.1f} s (eager {eager['first']:.1f} s); "
+    return table, (f"{size}: --compile's first step {compiled['first']:.1f} s "
+                   f"(eager {eager['first']:.1f} s); "
                    f"over an 800-step run it {'saves' if saved > 0 else 'costs'} {abs(saved):.0f} s; "
                    f"our mean completion length {eager['len']:.1f}; step GFLOP: generate {gen / 1e9:.0f}, "
                    f"train {train / 1e9:.0f}")
@@ -214,11 +225,12 @@ def reasoning(size):
     for r in range(args.rounds):
         res[TRL].append(trl_reasoning(model_dir, data))
         res[EAGER].append(ours(model_dir, data, "--max-prompt-tokens", "512", steps=args.reasoning_steps,
-                               new_tokens=LONG_T))
-        print(f"{size} reasoning round {r + 1}: " + ", ".join(f"{k} {v[-1]['step']:.3f} s" for k, v in res.items()),
-              flush=True)
+                               new_tokens=LONG_T, lr=STILL))
+        print(f"{size} reasoning round {r + 1}: "
+              + ", ".join(f"{k} {v[-1]['step']:.3f} s" for k, v in res.items()), flush=True)
     cfg = read_config(model_dir)
-    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in res.items()}
+    lens = {k: " ".join(f"{n:.0f}" for x in v for n in x["lens"]) for k, v in res.items()}
+    med = medians(res)
     p_mean, p_max = statistics.mean(lens), max(lens)
     # TRL: every row padded to the longest prompt and the step's longest completion; ours: each
     # group's prompt once, each completion's own tokens (packed)
@@ -231,7 +243,8 @@ def reasoning(size):
                       f"{m['step'] / med[TRL]['step']:.2f}x", f"{m['rss']:.0f}", f"{m['len']:.1f}",
                       f"{tokens[k]:.0f}", f"{flops / 1e9:.0f}"))
     return table, (f"{size}: prompts {min(lens)}-{p_max} tokens (mean {p_mean:.1f}); EOS probability "
-                   f"{p_eos:.4f} (std over positions {p_std:.4f}); TRL's longest completion a step "
+                   f"{p_eos:.4f} (std over positions {p_std:.4f}); mean completion a step (first ones "
+                   f"untimed): TRL {lens[TRL]}, ours {lens[EAGER]}; TRL's longest completion a step "
                    f"{med[TRL]['max_len']:.0f}; ours: generate {med[EAGER]['generate']:.2f} s, train "
                    f"{med[EAGER]['train']:.2f} s")
 

@@ -37,6 +37,7 @@ ap.add_argument("--prompts-per-step", type=int, default=8)
 ap.add_argument("--num-generations", type=int, default=8)
 ap.add_argument("--max-new-tokens", type=int, default=384)
 ap.add_argument("--micro-batch-rows", type=int, default=8)
+ap.add_argument("--lr", type=float, default=1e-12)
 ap.add_argument("--workdir", default="/tmp/trl-reasoning")
 args = ap.parse_args()
 
@@ -67,9 +68,10 @@ rows = args.prompts_per_step * args.num_generations
 assert rows % args.micro_batch_rows == 0, "--micro-batch-rows must divide prompts x generations"
 conf = GRPOConfig(
     output_dir=os.path.join(args.workdir, "out"), max_steps=args.steps,
-    per_device_train_batch_size=args.micro_batch_rows, gradient_accumulation_steps=rows // args.micro_batch_rows,
+    per_device_train_batch_size=args.micro_batch_rows,
+    gradient_accumulation_steps=rows // args.micro_batch_rows,
     num_generations=args.num_generations, max_completion_length=args.max_new_tokens,
-    learning_rate=1e-5, logging_steps=1, use_vllm=False, use_cpu=True, bf16=False,
+    learning_rate=args.lr, logging_steps=1, use_vllm=False, use_cpu=True, bf16=False,
     gradient_checkpointing=False, report_to="none", save_strategy="no", temperature=1.0, seed=0,
 )
 trainer = GRPOTrainer(model=model, reward_funcs=[parity_reward], args=conf, train_dataset=ds,
