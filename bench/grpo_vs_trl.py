@@ -83,7 +83,8 @@ def run(cmd):
 def trl(hidden, layers, steps=None, workdir=None, new_tokens=T):
     out, rss = run([args.trl_python, args.trl_script, "--steps", str(steps or args.steps),
                     "--workdir", workdir or args.workdir, "--hidden", str(hidden), "--layers", str(layers),
-                    "--prompts-per-step", str(P), "--num-generations", str(G), "--max-new-tokens", str(new_tokens)])
+                    "--prompts-per-step", str(P), "--num-generations", str(G),
+                    "--max-new-tokens", str(new_tokens)])
     res = json.loads(out.strip().splitlines()[-1])
     return {"step": res["s_per_step_median"], "rss": rss}, res["model_dir"]
 
@@ -229,7 +230,7 @@ def reasoning(size):
         print(f"{size} reasoning round {r + 1}: "
               + ", ".join(f"{k} {v[-1]['step']:.3f} s" for k, v in res.items()), flush=True)
     cfg = read_config(model_dir)
-    lens = {k: " ".join(f"{n:.0f}" for x in v for n in x["lens"]) for k, v in res.items()}
+    per_step = {k: " ".join(f"{n:.0f}" for x in v for n in x["lens"]) for k, v in res.items()}
     med = medians(res)
     p_mean, p_max = statistics.mean(lens), max(lens)
     # TRL: every row padded to the longest prompt and the step's longest completion; ours: each
@@ -244,7 +245,7 @@ def reasoning(size):
                       f"{tokens[k]:.0f}", f"{flops / 1e9:.0f}"))
     return table, (f"{size}: prompts {min(lens)}-{p_max} tokens (mean {p_mean:.1f}); EOS probability "
                    f"{p_eos:.4f} (std over positions {p_std:.4f}); mean completion a step (first ones "
-                   f"untimed): TRL {lens[TRL]}, ours {lens[EAGER]}; TRL's longest completion a step "
+                   f"untimed): TRL {per_step[TRL]}, ours {per_step[EAGER]}; TRL's longest completion a step "
                    f"{med[TRL]['max_len']:.0f}; ours: generate {med[EAGER]['generate']:.2f} s, train "
                    f"{med[EAGER]['train']:.2f} s")
 

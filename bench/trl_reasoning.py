@@ -26,7 +26,7 @@ import zlib
 
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 ap = argparse.ArgumentParser()
@@ -42,7 +42,9 @@ ap.add_argument("--workdir", default="/tmp/trl-reasoning")
 args = ap.parse_args()
 
 torch.manual_seed(0)
-tok = AutoTokenizer.from_pretrained(args.model_dir)
+# tokenizer.json as it is: AutoTokenizer would load a Qwen2Tokenizer (the config's model_type), whose
+# pre-tokenizer splits numbers into digits: 302 tokens for a prompt that is 258 in the file's own BPE
+tok = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
 tok.padding_side = "left"
 model = Qwen2ForCausalLM.from_pretrained(args.model_dir)
 with open(args.prompts) as f:
