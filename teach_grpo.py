@@ -75,7 +75,7 @@ class Args:
     """the ratio is clipped above at 1 + clip_high (DAPO's clip-higher)"""
     micro_batch_size: int = 256
     """completions per forward and backward on each rank (memory and speed; the result moves by rounding)"""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     """tokens per forward and backward on each rank, each micro-batch packed into one sequence with each
     prompt once for all its samples (models/packing.py: the same log-probs to rounding); 0: rows, padded"""
     eval_every: int = 100

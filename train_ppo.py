@@ -103,7 +103,7 @@ class Args:
     """optimizer steps per rollout batch for actor and critic (>1: later ones are off-policy)"""
     micro_batch_size: int = 256
     """completions per forward/backward on each rank (lower it for a large model's memory)"""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     """>0: micro-batches of at most this many tokens (and --micro-batch-size rows), each packed into
     one sequence without padding and with each group's prompt once, exact to fp32 rounding
     (models/packing.py; docs/packing.md); 0: rows, padded. A Qwen2-VL model and --compile run rows"""

@@ -26,7 +26,7 @@ reasoning: a reasoning run's shape (issue 54): a ~200-token system prompt shared
   both sides draw lengths from the same geometric distribution (mean ~94, 2% at the cap; builtin:carries'
   samples have mean 97, p95 257). TRL runs bench/trl_reasoning.py (one `generate` of the 64 rows,
   then micro-batches of 8 rows: TRL's way to bound memory); ours runs train_grpo.py at its defaults
-  (packed micro-batches of <= 4096 tokens, each group's prompt once). Each side's trained tokens per
+  (packed micro-batches of <= 2048 tokens, each group's prompt once). Each side's trained tokens per
   step come from its own lengths: TRL pads every row to the longest prompt and the longest
   completion of the step's 64; ours computes each group's prompt once and each completion's own
   tokens. Both sides train at a learning rate of 1e-12: the same work (forward, backward, Adam), with
