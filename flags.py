@@ -239,6 +239,7 @@ def check_flags(args, world: int) -> placement.Layout:
     args.distill.check()
     args.run_args.check()
     args.lora.check(args.sampling.engine, args.placement.placement)
+    args.moe.check()
     # rollout ranks, staleness, the batch split
     layout = args.placement.layout_of(world, args.prompts_per_step)
     rows = args.prompts_per_step // layout.dp * args.num_generations  # completions per trainer rank
@@ -260,3 +261,4 @@ def check_models(args, world: int, text_readers: dict | None = None):
     args.distill.check_model(args.data.model)
     args.env.check_model(args.data.model)  # the chat template carries an episode token for token
     tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
+    args.moe.check_model(read_config(args.data.model), args)  # a MoE model's flags, and what it refuses

@@ -82,9 +82,21 @@ class Need:
 
 
 def activations_per_token(cfg: ModelConfig) -> int:
-    """Elements one token's forward keeps for the backward, over all layers (see the docstring)."""
+    """Elements one token's forward keeps for the backward, over all layers (see the docstring). A
+    MoE model's sparse layer keeps, per token, its k experts' SwiGLU inputs and outputs (4 x
+    moe_intermediate_size each), the copies of its hidden state gathered for them and their weighed
+    outputs (2 x hidden each), and the router's logits and probabilities (2 x experts)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return cfg.num_hidden_layers * (6 * cfg.hidden_size + 5 * q + 4 * kv + 4 * cfg.intermediate_size)
+    per_layer = []
+    for i in range(cfg.num_hidden_layers):
+        if cfg.moe is not None and cfg.moe.sparse(i):
+            m = cfg.moe
+            per_expert = 4 * m.moe_intermediate_size + 2 * cfg.hidden_size
+            mlp = m.num_experts_per_tok * per_expert + 2 * m.num_experts
+        else:
+            mlp = 4 * cfg.intermediate_size
+        per_layer.append(6 * cfg.hidden_size + 5 * q + 4 * kv + mlp)
+    return sum(per_layer)
 
 
 def kv_cache(cfg: ModelConfig, rows: int, length: int, p: int) -> int:
@@ -94,7 +106,8 @@ def kv_cache(cfg: ModelConfig, rows: int, length: int, p: int) -> int:
 def training(cfg: ModelConfig, d: int, w: Workload, seq: int) -> dict[str, int]:
     """A training phase under FSDP2 over d ranks: gradients, gathered blocks, activations."""
     P = cfg.num_params()
-    root = P - cfg.num_hidden_layers * cfg.layer_params()
+    blocks = [cfg.layer_params(i) for i in range(cfg.num_hidden_layers)]  # a MoE model's differ
+    root = P - sum(blocks)
     tokens = min(w.micro_batch, w.rows) * seq
     several = w.rows > w.micro_batch  # micro-batches in a step
     if w.micro_batch_tokens:  # packed: the budget, or one whole row past it (prompts counted in full)
@@ -102,7 +115,7 @@ def training(cfg: ModelConfig, d: int, w: Workload, seq: int) -> dict[str, int]:
         several = several or w.rows * seq > tokens
     head = cfg.num_labels if cfg.scores else cfg.vocab_size
     logits = tokens * head * 4 if cfg.scores else min(tokens * head * 4, LOGITS_BUDGET)
-    parts = {"gathered": (root + 2 * cfg.layer_params()) * w.param_bytes, "logits": 3 * logits}
+    parts = {"gathered": (root + 2 * max(blocks)) * w.param_bytes, "logits": 3 * logits}
     trained = w.lora_params if w.lora_params and not cfg.scores else P  # a critic trains in full
     grads, kept = 4 * trained // d, tokens * activations_per_token(cfg) * w.param_bytes
     if several:  # earlier micro-batches' gradients wait while the next one's activations live

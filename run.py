@@ -23,7 +23,7 @@ from engines.decode import SamplingParams
 from engines.episodes import EnvArgs
 from engines.make import make_engine
 from flags import DataArgs
-from models import lora
+from models import lora, moe
 from models.hf import read_config
 from models.tokenizer import Tokenizer
 from models.vision import most_images
@@ -74,7 +74,7 @@ def set_up(args) -> tuple:
     serve_lora = args.lora.lora_rank if args.lora.lora_vllm == "adapters" else 0  # vLLM serving adapters
     engine_of = functools.partial(make_engine, args.sampling.engine, args.data.model, cfg, tok, device,
                                   args.compute.dtype, max_len, args.run_args.seed, lora_rank=serve_lora,
-                                  max_images=most_images(rows + eval_rows))
+                                  max_images=most_images(rows + eval_rows), routes=args.moe.routing_replay)
     local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows,
                                  args.sampling.max_new_tokens)  # --env: an episode's turns
     return cfg, tok, plan, (rows, skipped, eval_rows), local_engine
@@ -86,7 +86,8 @@ def make_actor(args, plan) -> Actor:
     return Actor(args.data.model, plan.mesh, plan.device, args.lr, args.warmup_steps, args.weight_decay,
                  args.max_grad_norm, args.compute.dtype, args.sampling.temperature, args.micro_batch_size,
                  decay_steps, compile=args.compute.compile, lora=args.lora, seed=args.run_args.seed,
-                 freeze_vision=args.data.freeze_vision, micro_batch_tokens=args.micro_batch_tokens)
+                 freeze_vision=args.data.freeze_vision, micro_batch_tokens=args.micro_batch_tokens,
+                 moe=args.moe)
 
 
 def frozen_roles(args, plan, actor) -> tuple:
@@ -248,6 +249,7 @@ def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
         "perf/sync_gather_s": peak["sync_gather_s"]})
     metrics.update(placement_metrics(plan, total, peak))
     metrics.update(episodes.metrics(total))  # multi-turn episodes: turns, tool calls and errors, stops
+    metrics.update(moe.metrics(total))  # a MoE policy's routing: load per expert, entropy, replayed share
     return metrics
 
 

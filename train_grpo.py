@@ -30,6 +30,7 @@ import flags
 import run
 from engines.episodes import EnvArgs
 from models.lora import LoraArgs
+from models.moe import MoeArgs
 from placement import PlacementArgs
 from rebalance import RebalanceArgs, Rebalancer, arrive, window_entry
 from rl import algos
@@ -115,6 +116,7 @@ class Args:
     The default: as fast as 4096 on a reasoning shape, and a third less memory (docs/packing.md)"""
     compute: Flat[ComputeArgs] = field(default_factory=ComputeArgs)
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
+    moe: Flat[MoeArgs] = field(default_factory=MoeArgs)
     placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
     rebalance: Flat[RebalanceArgs] = field(default_factory=RebalanceArgs)
     run_args: Flat[RunArgs] = field(default_factory=RunArgs)
@@ -288,7 +290,7 @@ def train(args: Args, plan, arrival, cfg, tok, prompts: tuple, local_engine):
         # the batch: one row per completion; samples that are not kept leave the loss
         prompt_ids = per_sample([r["ids"] for r in got.rows], n)
         batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device,
-                           got.samples.model_mask)  # episodes: the environment's tokens leave the loss
+                           got.samples.model_mask, got.samples.routes)  # episodes: env tokens out of the loss
         batch["loss_mask"] = batch["loss_mask"] * got.keep[:, None].to(device)  # [N, T]
         batch["old_logp"] = got.samples.logprobs.to(device)  # [N, T] the engine's
         if ref:

@@ -34,6 +34,7 @@ import run
 from engines.episodes import EnvArgs
 from models.hf import checked_model, read_config
 from models.lora import LoraArgs
+from models.moe import MoeArgs
 from models.tokenizer import check_same_tokenizer
 from placement import PlacementArgs
 from rl import algos
@@ -109,6 +110,7 @@ class Args:
     (models/packing.py; docs/packing.md); 0: rows, padded. A Qwen2-VL model and --compile run rows"""
     compute: Flat[ComputeArgs] = field(default_factory=ComputeArgs)
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
+    moe: Flat[MoeArgs] = field(default_factory=MoeArgs)
     placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
     run_args: Flat[RunArgs] = field(default_factory=lambda: RunArgs(run_dir="runs/ppo"))
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
@@ -287,7 +289,7 @@ if __name__ == "__main__":
         # the batch: one row per completion; a sample without a reward leaves the loss
         prompt_ids = per_sample([r["ids"] for r in got.rows], n)
         batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device,
-                           got.samples.model_mask)  # episodes: the environment's tokens leave the loss
+                           got.samples.model_mask, got.samples.routes)  # episodes: env tokens out of the loss
         batch["old_logp"] = got.samples.logprobs.to(device)  # [N, T]
         batch["loss_mask"] = batch["loss_mask"] * got.keep[:, None].to(device)  # [N, T]
         if ref:

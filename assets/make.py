@@ -8,6 +8,7 @@ model, and a short supervised warm start that leaves the model partly right on t
     python -m assets.make --tools --out assets/tool-tiny      # a tiny model that sometimes calls a tool
     python -m assets.make --flow --out assets/flow-tiny       # a tiny image model (Flow-GRPO) (~4 min)
     python -m assets.make --vl --out assets/vl-tiny           # a tiny Qwen2-VL (builtin:squares) (~2.5 min)
+    python -m assets.make --moe --out assets/moe-tiny         # a tiny Qwen3-MoE, 8 experts, top-2
 """
 import argparse
 import random
@@ -20,7 +21,7 @@ from engines.decode import SamplingParams
 from engines.episodes import template_delta
 from engines.native import NativeEngine
 from models import vision
-from models.config import ModelConfig
+from models.config import ModelConfig, Moe
 from models.decoder import attention_mask
 from models.flow_dit import FlowConfig, FlowModel, flow_loss, load_flow, logit_normal, save_flow
 from models.hf import build, iter_checkpoint, load_model, read_config, save_model
@@ -38,6 +39,9 @@ from tasks.squares import NAME
 # head_dim >= 32 for vLLM's CPU kernels
 TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+# the tiny MoE (assets/moe-tiny): TINY's shape with every MLP sparse, 8 experts of 128, 2 per token (a
+# token runs 256 of the 1,024 expert units, where the dense tiny model's MLP has 384)
+TINY_MOE = Moe(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
 
 
 def make_tokenizer(path: str, vocab_size: int = 512, chat_template: str | None = None) -> int:
@@ -537,6 +541,7 @@ if __name__ == "__main__":
     ap.add_argument("--tools", action="store_true", help="write the tiny tool user (builtin:multiply)")
     ap.add_argument("--flow", action="store_true", help="write the tiny image model (models/flow_dit.py)")
     ap.add_argument("--vl", action="store_true", help="write the tiny Qwen2-VL (builtin:squares)")
+    ap.add_argument("--moe", action="store_true", help="write the tiny Qwen3-MoE (the default task)")
     a = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the same float reduction order, hence the same bits, each run
     if a.vl:
@@ -553,7 +558,8 @@ if __name__ == "__main__":
         agreement = judge_checkpoint(a.out, a.seed, 2400 if a.sft_steps is None else a.sft_steps)
         print(f"wrote {a.out}: held-out agreement with the accuracy rule {agreement:.3f} (greedy)")
     else:
-        random_checkpoint(a.out, a.seed)
+        moe = dict(architecture="Qwen3MoeForCausalLM", moe=TINY_MOE) if a.moe else {}
+        random_checkpoint(a.out, a.seed, **moe)
         steps = 2500 if a.sft_steps is None else a.sft_steps
         if steps:
             warm_start(a.out, steps, seed=a.seed)

@@ -31,6 +31,9 @@ class Samples:
     token_versions: torch.Tensor | None = None  # [N, T] long: the policy version of each token (-1: env)
     episode: dict = field(default_factory=dict)  # {stat: [N] float} turns, tool calls, errors, stops
     transcripts: list | None = None  # the whole episode's text (the judge reads it)
+    # a MoE model's experts with --routing-replay (models/moe.py Recorder): per sample, int16
+    # [len(prompt) + length, layers, k], the prompt's tokens then the completion's (-1: not recorded)
+    routes: list | None = None
 
     @classmethod
     def empty(cls, version: int = 0) -> "Samples":
@@ -46,7 +49,8 @@ class Samples:
                        [self.finish_reasons[i] for i in rows], [self.texts[i] for i in rows], self.version,
                        pick(self.model_mask), pick(self.token_versions),
                        {k: v[index] for k, v in self.episode.items()},
-                       None if self.transcripts is None else [self.transcripts[i] for i in rows])
+                       None if self.transcripts is None else [self.transcripts[i] for i in rows],
+                       None if self.routes is None else [self.routes[i] for i in rows])
 
     @staticmethod
     def cat(parts: list["Samples"]) -> "Samples":
@@ -61,7 +65,9 @@ class Samples:
                        torch.cat([pad(p.token_versions, -1) for p in turns]) if turns else None,
                        {k: torch.cat([p.episode[k] for p in turns]) for k in turns[0].episode}
                        if turns else {},
-                       [t for p in turns for t in p.transcripts] if turns else None)
+                       [t for p in turns for t in p.transcripts] if turns else None,
+                       [r for p in parts for r in p.routes or []]
+                       if all(p.routes is not None or not len(p.lengths) for p in parts) else None)
 
 
 class Engine:

@@ -131,17 +131,21 @@ class FusedDecoder:
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
             pre = lambda name: f"model.layers.{i}.{name}"  # noqa: E731
+            mlp = () if layer.sparse else (("gate_proj", "up_proj"), ("down_proj",))
             self.parts.append([[(pre(f"self_attn.{n}"), getattr(a, n).out_features) for n in names]
                                for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",))]
                               + [[(pre(f"mlp.{n}"), getattr(m, n).out_features) for n in names]
-                                 for names in (("gate_proj", "up_proj"), ("down_proj",))])
+                                 for names in mlp])
             qkv_b = (_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None
                      else None)
             qk_norm = (a.q_norm, a.k_norm) if a.qk_norm else None  # Qwen3: RMSNorm of each head's q and k
+            # a MoE model's sparse block (models/moe.py) runs as the module itself, in the place of the
+            # fused gate/up weight, with no down weight (None)
+            wgu, wd = (m, None) if layer.sparse else (_fuse([m.gate_proj.weight, m.up_proj.weight]),
+                                                      m.down_proj.weight)
             self.layers.append((
                 layer.input_layernorm, _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b,
-                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm,
-                _fuse([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight, qk_norm))
+                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm, wgu, wd, qk_norm))
         self.call_layers = self.layers  # what `__call__` runs (`prepare` merges LoRA adapters in)
 
     def __call__(self, tokens, positions, mask, cache: KVCache, embeds=None):
@@ -165,6 +169,9 @@ class FusedDecoder:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=KV != H)  # [B, H, S, D]
             o = o.transpose(1, 2).reshape(B, S, H * D)
             h = h + (F.linear(o, wo, bo) if self.tp_group is None else self._summed(F.linear(o, wo), bo))
+            if wd is None:  # a sparse block
+                h = h + wgu(ln2(h))
+                continue
             gate, up = F.linear(ln2(h), wgu).split(I, -1)  # [B, S, I] each
             h = h + (F.linear(F.silu(gate) * up, wd) if self.tp_group is None
                      else self._summed(F.linear(F.silu(gate) * up, wd)))
@@ -214,7 +221,8 @@ class FusedDecoder:
             return torch.ops.mkldnn._reorder_linear_weight(w if norm is None else w * norm.weight, rows)
 
         self.step_layers = [(None, packed(wqkv, ln1), bqkv, packed(wo), bo, None, packed(wgu, ln2),
-                             packed(wd), qkn)
+                             packed(wd), qkn) if wd is not None else  # a sparse block keeps its module
+                            (None, packed(wqkv, ln1), bqkv, packed(wo), bo, ln2, wgu, wd, qkn)
                             for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, qkn in self.call_layers]
         self.step_head = (None, packed(self.lm_head, self.norm))
 
@@ -250,7 +258,10 @@ class FusedDecoder:
             else:  # bf16 (GPU): SDPA keeps the scores in fp32, as the trainer's attention does
                 o = F.scaled_dot_product_attention(qk[:, :H, None], k, v, attn_mask=mask,
                                                    enable_gqa=KV != H).view(B, H * D)  # [B, H*D]
-            if self.tp_group is None:
+            if wd is None:  # a sparse block (never under --gen-tp)
+                h = _linear(o, wo, bo, add=h)
+                h = h + wgu(_rms(h, ln2, eps))
+            elif self.tp_group is None:
                 h = _linear(o, wo, bo, add=h)
                 h = _linear(_swiglu(_rms(h, ln2, eps), wgu), wd, add=h)
             else:

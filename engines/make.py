@@ -35,11 +35,13 @@ def engine_kind(kind: str, device) -> str:
 
 
 def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, dtype, max_model_len: int,
-                seed=0, own_process=False, lora_rank: int = 0, max_images: int = 1, tp_group=None):
+                seed=0, own_process=False, lora_rank: int = 0, max_images: int = 1, tp_group=None,
+                routes: bool = False):
     """The engine --engine names (`engine_kind`). lora_rank: a vLLM engine serving LoRA adapters of
     this rank (--lora-vllm adapters); max_images: the most images in one of the run's prompts (vLLM
     reserves room for them; a Qwen2-VL checkpoint only); tp_group: --gen-tp's group of this rank, a
-    native engine over this rank's part of the model (engines/tp.py)."""
+    native engine over this rank's part of the model (engines/tp.py); routes (--routing-replay): the
+    native engine records each token's experts (a MoE model; flags refuse it with vLLM)."""
     k = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
     if engine_kind(kind, device) == "vllm":
         engine = VLLMEngine(model_dir, tokenizer, device, dtype, max_model_len, seed, own_process=own_process,
@@ -49,4 +51,4 @@ def make_engine(kind: str, model_dir: str, cfg: ModelConfig, tokenizer, device, 
         return tp.TPEngine(engine, tp_group, split=False)  # vLLM's loader takes each worker's shard
     if tp_group is not None:
         return tp.TPEngine(NativeEngine(tp.config(cfg, k), tokenizer, device, dtype, tp_group), tp_group)
-    return NativeEngine(cfg, tokenizer, device, dtype)
+    return NativeEngine(cfg, tokenizer, device, dtype, routes=routes)

@@ -12,6 +12,7 @@ from engines.decode import (FusedDecoder, GraphedStep, KeptPrefixes, SamplingPar
 from models.config import ModelConfig
 from models.decoder import KVCache, attention_mask, positions_from
 from models.hf import build, load_state, read_config
+from models.moe import Recorder
 from models.qwen2_vl import prompt_inputs
 
 
@@ -21,10 +22,12 @@ class NativeEngine(Engine):
     graphs = ("cuda",)  # on these devices (without --gen-tp) a decode step replays one CUDA graph
     # (engines/decode.py GraphedStep; the tests add "cpu", where the same static step runs eagerly)
 
-    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32, tp_group=None):
-        """tp_group (--gen-tp): cfg is this rank's part of the model (engines/tp.py), the group its own."""
+    def __init__(self, cfg: ModelConfig, tokenizer, device="cpu", dtype=torch.float32, tp_group=None,
+                 routes: bool = False):
+        """tp_group (--gen-tp): cfg is this rank's part of the model (engines/tp.py), the group its own.
+        routes (--routing-replay, a MoE model): each sample carries the experts its tokens went to."""
         self.cfg, self.tok, self.device, self.dtype = cfg, tokenizer, torch.device(device), dtype
-        self.tp_group = tp_group
+        self.tp_group, self.routes = tp_group, routes
         self.model = self.decoder = self.lora = self.kept = None
         self.needs_prepare = True  # weights loaded since the decoder's last `prepare`
         self.eos = torch.tensor(sorted(tokenizer.eos_ids) or [-1], device=self.device)
@@ -77,7 +80,10 @@ class NativeEngine(Engine):
         if self.needs_prepare:
             self.decoder.prepare(rows=N, lora=self.lora)
             self.needs_prepare = False
+        recorder = Recorder(self.model, len(prompts), N, T) if self.routes else None
         logits, cache, next_pos = self._prefill(prompts, tokens, valid, n, T)  # [N, V], N rows, [N]
+        if recorder:
+            recorder.prefill(P)
         u = sample_uniforms(seeds, n, T, dev)  # [N, T]
         bias = _decode_bias(valid, n, T, self.dtype)  # [N, 1, P+T] additive attention mask
         step = self._step(cache, bias, T)
@@ -107,7 +113,11 @@ class NativeEngine(Engine):
             bias[:, 0, P + t].masked_fill_(going, 0)
             logits = step(tok, next_pos, bias[:, :, :P + t + 1], cache)  # [rows, V]
             next_pos += 1
+            if recorder:
+                recorder.step(rows, t)
         out = self._samples(out_tok, out_lp, lengths, done, params.stop)
+        if recorder:
+            out.routes = recorder.finish(prompts, n, out.lengths)
         if self.keep_prefixes:  # for a next request that extends these rows (an episode's next turn)
             self.kept = KeptPrefixes(_held(where, rows, cache), prompts, n, out.tokens.tolist(),
                                      out.lengths.tolist())
@@ -157,7 +167,8 @@ class NativeEngine(Engine):
         """The decode step for T new tokens: the decoder's eager step, or on a device in `graphs`
         (without --gen-tp, for T > 1) a `GraphedStep` captured over this `cache` and `bias`
         [N, 1, P+T], which the loop then updates in place."""
-        if self.device.type in self.graphs and self.tp_group is None and T > 1:
+        # (a MoE model's sparse blocks pick their tokens' experts with data-dependent shapes: no graph)
+        if self.device.type in self.graphs and self.tp_group is None and T > 1 and self.cfg.moe is None:
             return GraphedStep(self.decoder, cache, bias)
         return self.decoder.decode
 

@@ -13,7 +13,8 @@ IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, MROPE_SECTION = 151655, 151652, [16, 24, 
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
              "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
-             "LlamaForSequenceClassification": "llama", "Qwen2VLForConditionalGeneration": "qwen2_vl"}
+             "LlamaForSequenceClassification": "llama", "Qwen2VLForConditionalGeneration": "qwen2_vl",
+             "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3MoeForSequenceClassification": "qwen3_moe"}
 
 
 # config.json keys that change the math and that this decoder does not implement, with the value
@@ -49,15 +50,16 @@ class ModelConfig:
     image_token_id: int | None = None  # Qwen2-VL: <|image_pad|>, where the tower's outputs go
     vision_start_token_id: int | None = None  # Qwen2-VL: <|vision_start|>, before each image's pads
     mrope_section: list[int] | None = None  # Qwen2-VL: rotary frequencies per (t, h, w) axis, summing to D/2
+    moe: "Moe | None" = None  # Qwen3-MoE: the sparse blocks' shape (models/moe.py); None: a dense model
     extra: dict = field(default_factory=dict)  # the rest of config.json, written back unchanged
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
         by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                   "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+                   "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_moe": "Qwen3MoeForCausalLM"}
         arch = archs[0] if archs else by_type.get(d.get("model_type"))
-        vl = {}  # the Qwen2-VL fields
+        vl = {}  # the Qwen2-VL fields, or Qwen3-MoE's
         if arch == "Qwen2VLForConditionalGeneration":
             d, vl = flatten_config(d)  # the language model's keys, flat as in a Qwen2 config.json
         elif arch not in SUPPORTED:
@@ -65,7 +67,11 @@ class ModelConfig:
                 raise refusal(arch)
             raise UserError(
                 f"unsupported architecture {arch or d.get('model_type')!r} in config.json; "
-                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Qwen3 / Llama; Qwen2-VL)")
+                f"this trainer supports {sorted(SUPPORTED)} (decoder-only Qwen2 / Qwen3 / Llama; Qwen3-MoE; "
+                "Qwen2-VL)")
+        if arch.startswith("Qwen3Moe"):
+            d = dict(d)
+            vl = {"moe": Moe.of(d)}  # its keys taken out of d (to_hf writes them back)
         rope, llama3 = read_rope(d)
         check_math_keys(d)
         heads = d["num_attention_heads"]
@@ -139,6 +145,8 @@ class ModelConfig:
             raise UserError("Qwen2 always has q/k/v bias; use LlamaForCausalLM for a bias-free model")
         if self.vision is not None:
             return nest_config(d, self)  # transformers 5's layout: text_config, vision_config
+        if self.moe is not None:
+            d.update(self.moe.to_hf())
         return d
 
     @property
@@ -154,22 +162,72 @@ class ModelConfig:
         arch = self.architecture.replace("ForCausalLM", "ForSequenceClassification")
         return replace(self, architecture=arch, num_labels=num_labels, tie_word_embeddings=False)
 
-    def layer_params(self) -> int:
-        """One decoder block's parameters."""
+    def layer_params(self, layer: int = 0, active: bool = False) -> int:
+        """Decoder block `layer`'s parameters (a MoE model's sparse block: its router and all of its
+        experts, or with `active` the top-k experts a token runs)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         bias = (q + 2 * kv + (h if self.o_bias else 0)) if self.attention_bias else 0
         attn = h * q + 2 * h * kv + q * h + bias + (2 * self.head_dim if self.qk_norm else 0)
+        if self.moe is not None and self.moe.sparse(layer):
+            return attn + self.moe.block_params(h, active) + 2 * h
         return attn + 3 * h * self.intermediate_size + 2 * h
 
-    def num_params(self, embeddings: bool = True, vision: bool = True) -> int:
-        """All parameters (a Qwen2-VL's vision tower too, unless vision=False)."""
+    def num_params(self, embeddings: bool = True, vision: bool = True, active: bool = False) -> int:
+        """All parameters (a Qwen2-VL's vision tower too, unless vision=False; a MoE model's active
+        parameters per token with `active`)."""
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings or self.scores else 2)
         head = self.hidden_size * self.num_labels if self.scores else 0
-        body = self.num_hidden_layers * self.layer_params() + self.hidden_size + head
+        blocks = sum(self.layer_params(i, active) for i in range(self.num_hidden_layers))
+        body = blocks + self.hidden_size + head
         if vision and self.vision is not None:
             body += Vision.of(self.vision).num_params()
         return body + (emb if embeddings else 0)
+
+
+@dataclass(frozen=True)
+class Moe:
+    """config.json's mixture-of-experts keys (Qwen3MoeConfig's names and defaults); the sparse
+    block itself is models/moe.py."""
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1 (Qwen3-30B-A3B: true)
+    decoder_sparse_step: int = 1  # every this many layers is sparse
+    mlp_only_layers: tuple = ()  # these layers keep a dense MLP of intermediate_size
+
+    @classmethod
+    def of(cls, d: dict) -> "Moe":
+        """Read a config.json dict, taking its MoE keys out of it (transformers 5 writes the expert
+        count as num_local_experts, the model cards as num_experts). router_aux_loss_coef stays in
+        the config's other keys, written back unchanged: the trainer's coefficient is --router-aux-coef."""
+        experts = d.pop("num_experts", None) or d.pop("num_local_experts", None)
+        d.pop("num_local_experts", None)
+        moe = cls(num_experts=experts or 128, num_experts_per_tok=d.pop("num_experts_per_tok", 8),
+                  moe_intermediate_size=d.pop("moe_intermediate_size", 768),
+                  norm_topk_prob=bool(d.pop("norm_topk_prob", False)),
+                  decoder_sparse_step=d.pop("decoder_sparse_step", 1) or 1,
+                  mlp_only_layers=tuple(d.pop("mlp_only_layers", None) or ()))
+        if not 0 < moe.num_experts_per_tok <= moe.num_experts:
+            raise UserError(f"config.json: num_experts_per_tok {moe.num_experts_per_tok} must be between 1 "
+                            f"and num_experts ({moe.num_experts})")
+        return moe
+
+    def to_hf(self) -> dict:
+        return {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers)}
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the sparse block (transformers' rule)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def block_params(self, hidden: int, active: bool = False) -> int:
+        """One sparse block's parameters: the router and every expert (active: the top-k experts a
+        token runs, for FLOPs)."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return hidden * self.num_experts + experts * 3 * hidden * self.moe_intermediate_size
 
 
 def read_rope(d: dict) -> tuple[dict, dict | None]:
@@ -227,6 +285,8 @@ REFUSED = {
                                        "learned position embedding)",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE (a mixture-of-experts decoder besides Qwen3-VL's "
                                           "vision differences)",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE (a shared expert beside the routed ones, under a sigmoid gate; and "
+                           "Qwen2's attention bias)",
 }
 
 
@@ -239,6 +299,10 @@ TOP_KEYS = ("architectures", "model_type", "image_token_id", "video_token_id", "
 
 
 def refusal(arch: str) -> UserError:
+    if arch == "Qwen2MoeForCausalLM":
+        return UserError(f"{arch} in config.json: {REFUSED[arch]} is not supported; this trainer's "
+                         "mixture-of-experts model is Qwen3-MoE (Qwen3MoeForCausalLM, e.g. "
+                         "Qwen/Qwen3-30B-A3B)")
     return UserError(f"{arch} in config.json: {REFUSED[arch]} is not supported; this trainer's "
                      f"vision-language model is Qwen2-VL ({ARCH}, e.g. Qwen/Qwen2-VL-2B-Instruct)")
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import LLAMA3_ROPE, ModelConfig
+from models.moe import SparseMoe
 from models.packing import Segments
 
 
@@ -110,11 +111,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.sparse = cfg.moe is not None and cfg.moe.sparse(index)
+        self.mlp = SparseMoe(cfg.hidden_size, cfg.moe) if self.sparse else MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache):
+    def forward(self, x, cos, sin, mask, cache, routes=None):
+        """routes [B, S, layers, k] (a MoE model's replayed experts, models/moe.py) or None."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, self.index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.sparse:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        mine = None if routes is None else routes[:, :, self.index]  # [B, S, k]
+        return x + self.mlp(self.post_attention_layernorm(x), mine)
 
 
 class Body(nn.Module):
@@ -181,14 +187,16 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def forward(self, tokens, positions=None, mask=None, cache: KVCache | None = None, logits_from: int = 0,
-                targets=None, temperature: float = 1.0, pick=None):
+                targets=None, temperature: float = 1.0, pick=None, routes=None):
         """tokens [B, S]; positions [B, S] (default 0..S-1 after the cache); mask: bool [B, 1, S, L]
         (True = attend) or None for plain causal. Returns logits [B, S - logits_from, V] in fp32
         (a score model: scores [B, S - logits_from, num_labels]); with targets [B, T], the log-probs
         [B, T] of those tokens under softmax(logits / temperature) (`run`). pick [n, T] (a packed
-        sequence, B = 1: models/packing.py): the outputs at those positions instead, [n, T, ...]."""
+        sequence, B = 1: models/packing.py): the outputs at those positions instead, [n, T, ...].
+        routes [B, S, layers, k] (a MoE model, --routing-replay): each token's experts, -1 to leave a
+        token to the router (models/moe.py)."""
         h = self.model.embed_tokens(tokens)  # [B, S, hidden]
-        return self.run(h, positions, mask, cache, logits_from, targets, temperature, pick)
+        return self.run(h, positions, mask, cache, logits_from, targets, temperature, pick, routes)
 
     def batch_inputs(self, batch) -> dict:
         """The forward's keywords for a padded batch (tasks.data.make_batch): positions that skip
@@ -203,7 +211,7 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def run(self, h, positions, mask, cache: KVCache | None, logits_from: int, targets=None,
-            temperature: float = 1.0, pick=None):
+            temperature: float = 1.0, pick=None, routes=None):
         """The decoder over input embeddings h [B, S, hidden] (forward's tokens, embedded); with
         targets [B, T] (T <= S - logits_from), their log-probs [B, T] instead of logits (head_logprobs:
         never the whole batch's logits at once); pick [n, T]: the head runs on h[0][pick] [n, T, hidden]
@@ -214,7 +222,7 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + S, device=h.device).expand(B, S)
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, cache)
+            h = layer(h, cos, sin, mask, cache, routes)
         if cache is not None:
             cache.pos += S
         h = self.model.norm(h[:, logits_from:] if pick is None else h[0][pick])
@@ -237,17 +245,19 @@ def attention_mask(valid, query_len: int | None = None):
     return ((causal[None] & valid[:, None, :]) | (k_idx == q_idx)[None])[:, None]  # [B, 1, Q, L]
 
 
-def completion_logprobs(model, batch, temperature: float):
+def completion_logprobs(model, batch, temperature: float, replay: bool = False):
     """log pi(token) of each completion token of a padded batch (tasks.data.make_batch) ->
     [N, T]. Logits are made for completion positions only (the prompt's are never needed), and
-    never for the whole batch at once (models.decoder.head_logprobs)."""
+    never for the whole batch at once (models.decoder.head_logprobs). replay: the batch's "routes"
+    (the engine's experts, --routing-replay) in the forward of the policy whose samples they are."""
     P = batch["prompt_len"]
     targets = batch["input_ids"][:, P:]  # [N, T]
     if "packed" in batch:  # token t's logits are made at the column before it (models/packing.py)
+        routes = batch["packed"].get("routes") if replay else None  # [1, S, layers, k]
         return model(**packed_inputs(batch, P - 1, P - 1 + targets.shape[1]), targets=targets,
-                     temperature=temperature)  # [N, T]
+                     temperature=temperature, routes=routes)  # [N, T]
     return model(batch["input_ids"], **model.batch_inputs(batch), logits_from=P - 1,
-                 targets=targets, temperature=temperature)  # [N, T]
+                 targets=targets, temperature=temperature, routes=batch.get("routes") if replay else None)
 
 
 def completion_values(model, batch):
@@ -299,8 +309,9 @@ def positions_from(valid):
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
     """Forward FLOPs per token: 2 x matmul params (embeddings' lookup excluded, lm_head
     included) plus attention scores over `context` keys (Kaplan et al. 2020, table 1). A
-    Qwen2-VL's vision tower is left out: it runs per image patch, not per token."""
-    n = cfg.num_params(embeddings=False, vision=False) + cfg.vocab_size * cfg.hidden_size  # per text token
+    Qwen2-VL's vision tower is left out: it runs per image patch, not per token; a MoE model counts
+    the experts a token runs (its active parameters) and its router."""
+    n = cfg.num_params(embeddings=False, vision=False, active=True) + cfg.vocab_size * cfg.hidden_size
     return 2 * n + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
 
 

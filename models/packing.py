@@ -58,12 +58,14 @@ def split_to(bins: list[list[int]], count: int) -> list[list[int]]:
     return bins
 
 
-def pack(input_ids, valid, prompt_len: int, key) -> dict:
+def pack(input_ids, valid, prompt_len: int, key, routes=None) -> dict:
     """One packed sequence of a padded micro-batch's rows: input_ids, valid [n, P+T] (prompts
     left-padded to P, completions right-padded), key [n] (`prompt_keys`: rows of one key hold one
     copy of their prompt). -> {"input_ids" [1, S], "positions" [1, S], "mask": its `Segments`,
     "flat" [n, P+T]: where each padded column's token sits in the sequence (-1 on padding)}. Row by
-    row: the row's prompt if no earlier row holds it, then its completion."""
+    row: the row's prompt if no earlier row holds it, then its completion. routes [n, P+T, layers, k]
+    (a MoE model's replayed experts): packed the same way, "routes" [1, S, layers, k] (a shared
+    prompt's are its holder's)."""
     P = prompt_len
     ids, valid, key = input_ids.cpu(), valid.cpu(), key.cpu()
     n = ids.shape[0]
@@ -88,8 +90,11 @@ def pack(input_ids, valid, prompt_len: int, key) -> dict:
         if cl:
             pieces.append(((ps, pl), (cs, cl)))
     dev = input_ids.device
-    return {"input_ids": ids[kept][None].to(dev), "positions": positions[None].to(dev),
-            "mask": Segments(pieces).to(dev), "flat": flat.to(dev)}
+    out = {"input_ids": ids[kept][None].to(dev), "positions": positions[None].to(dev),
+           "mask": Segments(pieces).to(dev), "flat": flat.to(dev)}
+    if routes is not None:
+        out["routes"] = routes[kept.to(routes.device)][None]  # [1, S, layers, k]
+    return out
 
 
 def prompt_keys(input_ids, valid, prompt_len: int):

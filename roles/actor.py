@@ -9,6 +9,7 @@ from models.decoder import completion_logprobs
 from models.hf import save_model
 from models.lora import is_adapter, merged
 from models.lora import scales as lora_scales
+from models.moe import Routing
 from models.packing import token_budget
 from models.parallelize import load_sharded
 from tasks.data import forward_batches, scatter_rows, take_rows
@@ -43,7 +44,7 @@ class Actor:
     def __init__(self, path: str, mesh, device, lr: float, warmup_steps: int, weight_decay: float,
                  max_grad_norm: float, param_dtype=torch.float32, temperature: float = 1.0,
                  micro_batch_size: int = 64, decay_steps: int = 0, compile: bool = False, lora=None,
-                 seed: int = 0, freeze_vision: bool = False, micro_batch_tokens: int = 0):
+                 seed: int = 0, freeze_vision: bool = False, micro_batch_tokens: int = 0, moe=None):
         """temperature: the sampling temperature, applied to the trainer's log-probs too;
         micro_batch_size: completions per forward/backward; decay_steps: the learning rate decays
         linearly to 0 over this many optimizer steps (0: constant after the warm-up); compile:
@@ -51,13 +52,16 @@ class Actor:
         above 0: only adapters train, started from `seed`; engines get the merged weights);
         freeze_vision: a Qwen2-VL's vision tower takes no gradient and has no optimizer state;
         micro_batch_tokens: micro-batches of at most this many tokens, packed without padding, a
-        group's prompt once (tasks.data.forward_batches; 0: micro_batch_size rows, padded)."""
+        group's prompt once (tasks.data.forward_batches; 0: micro_batch_size rows, padded); moe:
+        models.moe.MoeArgs, a MoE policy's routing replay, frozen routers, load-balancing loss and
+        routing metrics (models.moe.Routing; nothing for a dense policy)."""
         self.model = load_sharded(path, mesh, device, param_dtype, compile=compile, lora=lora, seed=seed)
         self.freeze_vision = freeze_vision  # checkpoints record it: the tower is then not saved
         if freeze_vision:
             self.model.visual.requires_grad_(False)
         self.lora = lora if lora is not None and lora.lora_rank else None
         self.scales = lora_scales(self.model) if self.lora else {}
+        self.routing = Routing(self.model, moe)  # before the optimizer: --freeze-router
         self.group = mesh.get_group()  # the trainers: checkpoints are collective over these only
         self.param_dtype = param_dtype
         self.config = self.model.config
@@ -106,7 +110,7 @@ class Actor:
     def logprobs(self, batch):
         """[N, T]: the current policy's log-probs of the completion tokens (the old policy's, when
         taken before the update: decoupled PPO's trainer-side old log-probs)."""
-        parts = [(rows, completion_logprobs(self.model, mb, self.temperature))
+        parts = [(rows, completion_logprobs(self.model, mb, self.temperature, self.routing.replay))
                  for rows, mb in self.micro_batches(batch)]
         return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
 
@@ -139,12 +143,13 @@ class Actor:
         sums = {"gap_sum": 0.0, "rows": len(batch["adv"]), "trained_tokens": batch["loss_mask"].sum()}
         gap_max = torch.zeros((), device=batch["loss_mask"].device)
         mbs = [mb for _, mb in self.micro_batches(batch)]
+        self.routing.start()
         for i, mb in enumerate(mbs):
             # reduce-scatter the gradients after the last micro-batch only: no traffic for the others
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logp = completion_logprobs(self.model, mb, self.temperature)  # [n, T]
+            logp = completion_logprobs(self.model, mb, self.temperature, self.routing.replay)  # [n, T]
             loss, loss_sums = loss_fn(logp, mb, norm)
-            loss.backward()
+            (loss + self.routing.aux_loss() / len(mbs)).backward()  # a MoE policy's --router-aux-coef
             for k, v in loss_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
             # the trainer's and the engine's log-prob of the same tokens (the engine's are the
@@ -155,7 +160,7 @@ class Actor:
             gap_max = torch.maximum(gap_max, gap.max())
         grad_norm, finite = optimizer_step(self.model, self.opt, self.sched, self.max_grad_norm)
         maxes = {"gap_max": gap_max, "grad_norm": grad_norm, "skipped": float(not finite), "unscored": 0.0}
-        return sums, maxes
+        return {**sums, **self.routing.sums()}, maxes
 
     def micro_batches(self, batch):
         """(rows, micro-batch) of a batch (tasks.data.forward_batches), as many on every trainer."""

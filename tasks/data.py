@@ -465,10 +465,12 @@ class Batch(TypedDict, total=False):
 
 
 def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="cpu",
-               model_mask=None) -> Batch:
+               model_mask=None, routes: list | None = None) -> Batch:
     """The training batch of a rank's samples (input_ids, valid, prompt_len, loss_mask of
     `Batch`). prompts: one id list per row; tokens [N, T], lengths [N] from the engine;
-    model_mask [N, T] (episodes): 0 on the environment's tokens, which leave the loss."""
+    model_mask [N, T] (episodes): 0 on the environment's tokens, which leave the loss; routes (a
+    MoE model's experts, Samples.routes): per row [len(prompt) + length, layers, k], laid out as
+    input_ids are ("routes" [N, P+T, layers, k], -1 on padding)."""
     import torch
 
     N, T = tokens.shape
@@ -484,6 +486,11 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     loss_mask = completion.float() if model_mask is None else completion * model_mask
     batch = {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
              "loss_mask": loss_mask.to(device)}
+    if routes is not None:
+        batch["routes"] = torch.full((N, P + T, *routes[0].shape[1:]), -1, dtype=torch.int16)
+        for i, (p, r) in enumerate(zip(prompts, routes)):
+            batch["routes"][i, P - len(p):P - len(p) + len(r)] = r
+        batch["routes"] = batch["routes"].to(device)
     if any(getattr(p, "images", None) for p in prompts):  # a vision-language model's (models/vision.py)
         # per row: (patches [n, 1176], grids [k, 3]), made once per prompt and shared by its samples'
         # rows (the tower then runs once per image: models/qwen2_vl.py images_of); None: no image
@@ -561,7 +568,7 @@ def _cut_columns(mb: dict) -> dict:
     longest = max(1, int(mb["valid"][:, P:].sum(-1).max()))  # the last column any completion uses, + 1
 
     def cut(k, v):
-        if k in ("input_ids", "valid"):
+        if k in ("input_ids", "valid", "routes"):
             return v[:, first:P + longest]  # [n, P - first + longest]
         if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == T:
             return v[:, :longest]  # [n, longest]: loss_mask, old_logp, adv, ...
@@ -586,7 +593,8 @@ def _packed_batches(batch: dict, size: int, tokens: int, group):
     for rows in bins:
         rows = torch.tensor(rows)  # on the CPU, as the padded path's: it indexes results on any device
         mb = _cut_columns(take_rows(batch, rows))
-        yield rows, {**mb, "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"], keys[rows])}
+        yield rows, {**mb, "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"], keys[rows],
+                                          mb.get("routes"))}
     for _ in range(most - len(bins)):  # too few rows here to split into as many: forwards that count nothing
         yield _idle(batch)
 
@@ -601,7 +609,8 @@ def _idle(batch: dict):
                         "rows to run the same forwards (FSDP)")
     mb = _cut_columns(take_rows(batch, slice(0, 1)))
     mb = {**mb, "loss_mask": torch.zeros_like(mb["loss_mask"]),
-          "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"], torch.zeros(1, dtype=torch.long))}
+          "packed": pack(mb["input_ids"], mb["valid"], mb["prompt_len"], torch.zeros(1, dtype=torch.long),
+                         mb.get("routes"))}
     return torch.zeros(0, dtype=torch.long), mb
 
 

@@ -43,6 +43,8 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**base))
     elif arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**base))
+    elif arch == "qwen3_moe":  # kw: num_experts, num_experts_per_tok, moe_intermediate_size, ...
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**base))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base))
     with torch.no_grad():  # HF starts norms at 1 and biases at 0: randomise them so that tests see them
@@ -51,6 +53,8 @@ def hf_checkpoint(path, arch="qwen2", seed=0, **kw):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # a MoE router: decisive choices, not near-uniform ones
+                p.normal_(0.0, 0.3)
     model.eval().save_pretrained(path)
     return model
 
