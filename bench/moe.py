@@ -1,14 +1,16 @@
 """Qwen3-MoE (issue 56, docs/moe.md): our model against transformers on random configs, and the
 log-prob gap between engine and trainer with and without routing replay.
 
-    python bench/moe.py parity                       # max |logit difference| against transformers
+    python bench/moe.py parity                       # the largest logit difference against transformers
     python bench/moe.py gap --model assets/moe-tiny  # the gap, fp32 and bf16 engines, replay on and off
     python bench/moe.py experts                      # the experts' loop against torch's grouped matmul
 
 `gap` samples the built-in task's held-out prompts with the native engine (recording each token's
-experts), then computes the fp32 trainer's log-probs of the same tokens with its own routing and
-with the engine's (models/moe.py): the mean and max |difference| over the sampled tokens, and the
-share of (token, layer) routes on which the trainer's own top-k differs from the engine's.
+experts), then computes the trainer's log-probs of the same tokens (packed micro-batches, as the
+trainer runs) with its own routing and with the engine's (models/moe.py): the |difference| over
+the sampled tokens, and the share of (token, layer) routes on which the trainer's own top-k differs
+from the engine's; engine and trainer in fp32, the engine in bf16 against an fp32 trainer, both in
+bf16 (a `--param-dtype bfloat16` run).
 """
 import argparse
 import os
@@ -24,7 +26,7 @@ from engines.native import NativeEngine  # noqa: E402
 from models.decoder import attention_mask, completion_logprobs, positions_from  # noqa: E402
 from models.hf import iter_checkpoint, load_model, read_config  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
-from tasks.data import arith_rows, make_batch  # noqa: E402
+from tasks.data import arith_rows, forward_batches, make_batch, scatter_rows  # noqa: E402
 
 CONFIGS = [  # Qwen3MoeConfig overrides on a 2-layer, hidden-64 model: the three kinds of layout
     dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
@@ -61,7 +63,7 @@ def parity():
         layout = ", ".join(f"{k} {v}" for k, v in kw.items())
         rows.append((layout, f"{(got - want).abs().max().item():.2e}",
                      f"{((got - want).norm() / want.norm()).item():.2e}"))
-    print_table(("config (experts, top-k, layout)", "max |logit diff|", "relative"), rows)
+    print_table(("config (experts, top-k, layout)", "max abs logit diff", "relative (norm)"), rows)
 
 
 def own_routes(model, batch) -> torch.Tensor:
@@ -80,13 +82,21 @@ def own_routes(model, batch) -> torch.Tensor:
     return used
 
 
+def packed_logprobs(model, batch, replay: bool):
+    """The trainer's log-probs as train_grpo.py makes them by default: packed micro-batches of at most
+    2048 tokens (--micro-batch-tokens)."""
+    parts = [(rows, completion_logprobs(model, mb, 1.0, replay)) for rows, mb in forward_batches(batch, 256, 2048)]
+    return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
+
+
 def gap(model_dir: str, prompts: int, n: int, new_tokens: int):
     tok = Tokenizer(model_dir)
     rows = arith_rows("eval")[:prompts]
     ids = [tok.encode(*tok.render(r["prompt"])) for r in rows]
-    trainer = load_model(model_dir)
     table = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, trainer_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                 (torch.bfloat16, torch.bfloat16)):
+        trainer = load_model(model_dir).to(trainer_dtype)
         engine = NativeEngine(read_config(model_dir), tok, dtype=dtype, routes=True)
         engine.load_weights(iter_checkpoint(model_dir))
         out = engine.generate(ids, SamplingParams(n, 1.0, max_new_tokens=new_tokens), list(range(len(ids))))
@@ -97,11 +107,13 @@ def gap(model_dir: str, prompts: int, n: int, new_tokens: int):
         mask = batch["loss_mask"].bool()
         for replay in (False, True):
             with torch.no_grad():
-                d = (completion_logprobs(trainer, batch, 1.0, replay) - out.logprobs).abs()[mask]
-            table.append((str(dtype).removeprefix("torch."), "on" if replay else "off", f"{int(mask.sum())}",
-                          f"{flipped:.4f}", f"{d.mean().item():.2e}", f"{d.max().item():.2e}"))
-    print_table(("engine dtype", "replay", "tokens", "routes the trainer picks otherwise", "gap mean",
-                 "gap max"), table)
+                d = (packed_logprobs(trainer, batch, replay) - out.logprobs).abs()[mask]
+            table.append((str(dtype).removeprefix("torch."), str(trainer_dtype).removeprefix("torch."),
+                          "on" if replay else "off", f"{int(mask.sum())}",
+                          f"{flipped:.4f}", f"{d.mean().item():.2e}", f"{d.quantile(0.99).item():.2e}",
+                          f"{d.max().item():.2e}", f"{int((d > 0.1).sum())}"))
+    print_table(("engine", "trainer", "replay", "tokens", "routes the trainer picks otherwise", "gap mean", "gap p99",
+                 "gap max", "tokens over 0.1"), table)
 
 
 def experts(shapes):

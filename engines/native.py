@@ -114,7 +114,7 @@ class NativeEngine(Engine):
             logits = step(tok, next_pos, bias[:, :, :P + t + 1], cache)  # [rows, V]
             next_pos += 1
             if recorder:
-                recorder.step(rows, t)
+                recorder.step(rows, t, going)
         out = self._samples(out_tok, out_lp, lengths, done, params.stop)
         if recorder:
             out.routes = recorder.finish(prompts, n, out.lengths)

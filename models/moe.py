@@ -41,10 +41,11 @@ class SparseMoe(nn.Module):
     on zero tokens if none chose it, so that each has a gradient on every rank (FSDP2 reduces the
     same tensors everywhere).
 
-    `stats`: None, or a dict the trainer reads and clears (roles/moe.py): per forward it adds each
-    expert's count of routed tokens ("load" [E]), the routing entropy summed over tokens, the
-    tokens, and how many of them were replayed; `aux` (the load-balancing loss, when asked) is
-    kept there too."""
+    `stats`: None, or a dict that `Routing` (below) starts, reads and clears: per forward it adds each
+    expert's count of assignments ("load" [E]), the routing entropy summed over tokens ("entropy"),
+    the tokens ("tokens") and those replayed ("replayed"); with the load-balancing loss on, what it
+    reads ("aux_count", "aux_prob" with its gradient, "aux_rows").
+    `record`: None, or a list each forward appends its experts to, [..., k] (`Recorder`)."""
 
     def __init__(self, hidden: int, moe: Moe):
         super().__init__()
@@ -52,7 +53,7 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
         self.experts = nn.ModuleList([Expert(hidden, moe.moe_intermediate_size) for _ in range(moe.num_experts)])
         self.stats = None
-        self.record = None  # a list: each forward appends its experts [N, k] (engines/decode.py)
+        self.record = None
 
     def forward(self, x, routes=None):
         """x [B, S, hidden]; routes [B, S, k] (int, -1: the router's own choice) -> [B, S, hidden]."""
@@ -118,10 +119,14 @@ class Recorder:
             got = block.record.pop()  # [B0, S, k]
             self.prompt[:, P - got.shape[1]:, i] = got.to("cpu", torch.int16)
 
-    def step(self, rows, t: int):
-        """After the decode step that fed completion token t of samples `rows` [r]."""
+    def step(self, rows, t: int, going):
+        """After the decode step that fed completion token t of samples `rows` [r]; going [r]: the rows
+        not finished. A finished row still in the batch is fed too, its own slot masked (engines/native.py):
+        what its token's experts would be is not recorded."""
+        live = going.cpu()
         for i, block in self.blocks:
-            self.completion[rows.cpu(), t, i] = block.record.pop().to("cpu", torch.int16)  # [r, k]
+            got = block.record.pop().cpu()  # [r, k]
+            self.completion[rows.cpu()[live], t, i] = got[live].to(torch.int16)
 
     def finish(self, prompts: list, n: int, lengths) -> list:
         for _, block in self.blocks:
@@ -162,7 +167,9 @@ class MoeArgs:
                    ("--compile", args.compute.compile, "the experts' token counts change every forward"),
                    ("--routing-replay with --engine vllm", self.routing_replay and args.sampling.engine == "vllm",
                     "our vLLM engine does not return the experts yet (vLLM's enable_return_routed_experts; "
-                    "docs/moe.md): use --engine native")]
+                    "docs/moe.md): use --engine native"),
+                   ("--routing-replay with --env or --tools", self.routing_replay and (args.env.env or args.env.tools),
+                    "multi-turn episodes do not carry the experts of their turns yet")]
         for flag, on, why in refused:
             if on:
                 raise UserError(f"{flag} with a mixture-of-experts --model ({cfg.architecture}): {why}; leave "

@@ -266,7 +266,8 @@ def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
     flags = [*FLAGS, "--model", moe_dir, "--routing-replay"]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     torchrun(2, "train_grpo.py", *flags, "--run-dir", straight)
-    assert all(r["train/moe_replayed"] > 0.5 for r in metrics(straight))
+    trained = [r for r in metrics(straight) if "train/moe_replayed" in r]
+    assert len(trained) == 10 and all(r["train/moe_replayed"] > 0.5 for r in trained)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
            *flags, "--run-dir", killed]
     p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
@@ -274,3 +275,22 @@ def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
     assert len(metrics(killed)) < len(metrics(straight))
     assert "resumed from" in torchrun(2, "train_grpo.py", *flags, "--resume", "auto", "--run-dir", killed).stdout
     same_run(straight, killed)
+
+
+@pytest.mark.parametrize("script,ranks,placement", [("train_grpo.py", 3, ["--placement", "disaggregate",
+                                                                           "--rollout-ranks", "1"]),
+                                                     ("train_ppo.py", 2, [])])
+def test_replay_in_disaggregate_grpo_and_in_ppo(moe_dir, tmp_path, script, ranks, placement):
+    """The routes travel from a rollout rank to its trainer with the samples (disaggregate), and PPO
+    trains a MoE policy (and its MoE critic, a Qwen3MoeForSequenceClassification) with replay: the
+    trainer replays nearly every token, and its log-probs are the fp32 engine's."""
+    from test_train_grpo import TINY, metrics, no_eval
+    from test_train_ppo import PPO_TINY
+
+    flags = no_eval(TINY if script == "train_grpo.py" else PPO_TINY)
+    torchrun(ranks, script, *flags, "--model", moe_dir, "--routing-replay", *placement,
+             "--run-dir", str(tmp_path), timeout=300)
+    rows = [r for r in metrics(str(tmp_path)) if "train/moe_replayed" in r]
+    assert len(rows) == 3 and all(r["train/moe_replayed"] > 0.5 for r in rows)
+    assert all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
+    assert all(abs(sum(r[f"train/moe_load/{e}"] for e in range(8)) - 1) < 1e-6 for r in rows)
