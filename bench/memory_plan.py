@@ -41,9 +41,10 @@ MODELS = {  # hidden, intermediate, layers, heads, kv heads, head_dim, tied embe
 }
 # Qwen3-30B-A3B's config.json: 48 layers, every MLP sparse, 128 experts of 768, 8 per token
 MOE_30B = ModelConfig(**QWEN, architecture="Qwen3MoeForCausalLM", attention_bias=False, hidden_size=2048,
-                      intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                      head_dim=128, tie_word_embeddings=False,
-                      moe=Moe(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True))
+                      intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                      num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                      moe=Moe(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                              norm_topk_prob=True))
 # (models, GPUs, placement, rollout ranks, prompts per step, micro-batch)
 RECIPES = [(["Qwen2.5-0.5B", "Qwen3-0.6B", "Qwen2.5-1.5B", "Qwen3-1.7B"], 1, "colocate", 0, 16, 2),
            (["Qwen2.5-3B", "Qwen3-4B", "Qwen2.5-7B", "Qwen3-8B"], 8, "colocate", 0, 64, 1),
@@ -101,8 +102,10 @@ def expert_parallel(cfg: ModelConfig, dp: int, ep: int, w: Workload) -> dict:
     group = dp // ep  # the ranks that hold the same experts (their FSDP group)
     gathered = 2 * (dense + local * expert) * p  # the current and the prefetched block, unsharded
     passes = 2 * -(-w.rows // w.micro_batch) + 1  # gathers of each block a step, and its reduce-scatter
-    fsdp_bytes = cfg.num_hidden_layers * passes * (dense * (dp - 1) / dp + local * expert * (group - 1) / group) * p
-    a2a = 0 if ep == 1 else cfg.num_hidden_layers * 3 * 2 * tokens * m.num_experts_per_tok * h * p * (ep - 1) / ep
+    per_block = (dense * (dp - 1) / dp + local * expert * (group - 1) / group) * p  # gathered by one rank
+    fsdp_bytes = cfg.num_hidden_layers * passes * per_block
+    sent = 3 * 2 * tokens * m.num_experts_per_tok * h * p * (ep - 1) / ep  # one block's all-to-all
+    a2a = 0 if ep == 1 else cfg.num_hidden_layers * sent
     return {"gathered": gathered, "fsdp_traffic": fsdp_bytes, "all_to_all": a2a,
             "held": 12 * cfg.num_params() / dp}
 
@@ -111,10 +114,12 @@ def moe_plans():
     """Qwen3-30B-A3B: what this trainer's FSDP2 needs per rank on 8 and 64 GPUs, and what expert
     parallelism would change (docs/scale.md)."""
     cfg = MOE_30B
-    print(f"Qwen3-30B-A3B ({cfg.num_params() / 1e9:.1f}B parameters, {cfg.num_params(active=True) / 1e9:.2f}B "
-          f"active per token), bf16, {GENERATIONS} samples per prompt, prompts <= {PROMPT}, completions <= {NEW}.\n")
-    print("| GPUs | layout | trainers | EP | held GiB | gathered GiB | largest train phase GiB | rank total GiB "
-          "| FSDP traffic GB/step | all-to-all GB/step |")
+    total, active = cfg.num_params() / 1e9, cfg.num_params(active=True) / 1e9
+    print(f"Qwen3-30B-A3B ({total:.1f}B parameters, {active:.2f}B "
+          f"active per token), bf16, {GENERATIONS} samples per prompt, prompts <= {PROMPT}, "
+          f"completions <= {NEW}.\n")
+    print("| GPUs | layout | trainers | EP | held GiB | gathered GiB | largest train phase GiB "
+          "| rank total GiB | FSDP traffic GB/step | all-to-all GB/step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for gpus, placement, rollout, prompts, eps in ((8, "colocate", 0, 64, (1, 8)),
                                                    (64, "disaggregate", 16, 512, (1, 8, 16))):

@@ -85,7 +85,8 @@ def own_routes(model, batch) -> torch.Tensor:
 def packed_logprobs(model, batch, replay: bool):
     """The trainer's log-probs as train_grpo.py makes them by default: packed micro-batches of at most
     2048 tokens (--micro-batch-tokens)."""
-    parts = [(rows, completion_logprobs(model, mb, 1.0, replay)) for rows, mb in forward_batches(batch, 256, 2048)]
+    parts = [(rows, completion_logprobs(model, mb, 1.0, replay))
+             for rows, mb in forward_batches(batch, 256, 2048)]
     return scatter_rows(parts, *batch["loss_mask"].shape)  # [N, T]
 
 
@@ -112,8 +113,8 @@ def gap(model_dir: str, prompts: int, n: int, new_tokens: int):
                           "on" if replay else "off", f"{int(mask.sum())}",
                           f"{flipped:.4f}", f"{d.mean().item():.2e}", f"{d.quantile(0.99).item():.2e}",
                           f"{d.max().item():.2e}", f"{int((d > 0.1).sum())}"))
-    print_table(("engine", "trainer", "replay", "tokens", "routes the trainer picks otherwise", "gap mean", "gap p99",
-                 "gap max", "tokens over 0.1"), table)
+    print_table(("engine", "trainer", "replay", "tokens", "routes the trainer picks otherwise", "gap mean",
+                 "gap p99", "gap max", "tokens over 0.1"), table)
 
 
 def experts(shapes):
@@ -153,7 +154,8 @@ def experts(shapes):
         x = torch.randn(N, hidden, requires_grad=True)
         stacked = [torch.stack([getattr(e, n).weight.t() for e in block.experts]).detach().requires_grad_()
                    for n in ("gate_proj", "up_proj", "down_proj")]
-        ways = {"loop (models/moe.py)": lambda: block(x), "grouped_mm, stacked per call": lambda: grouped(block, x),
+        ways = {"loop (models/moe.py)": lambda: block(x),
+                "grouped_mm, stacked per call": lambda: grouped(block, x),
                 "grouped_mm, weights stacked": lambda: grouped(block, x, stacked)}
         want = block(x)
         assert all((f() - want).abs().max() < 1e-4 for f in ways.values())
@@ -163,7 +165,8 @@ def experts(shapes):
                 t = time.perf_counter()
                 f().square().sum().backward()
                 best = min(best, time.perf_counter() - t)
-            rows.append((f"h {hidden}, {E} experts of {size}, top-{k}, {N} tokens", name, f"{best * 1e3:.1f}"))
+            shape = f"h {hidden}, {E} experts of {size}, top-{k}, {N} tokens"
+            rows.append((shape, name, f"{best * 1e3:.1f}"))
     print_table(("block", "experts computed by", "forward + backward ms (best of 5)"), rows)
 
 

@@ -51,7 +51,8 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList([Expert(hidden, moe.moe_intermediate_size) for _ in range(moe.num_experts)])
+        size = moe.moe_intermediate_size
+        self.experts = nn.ModuleList([Expert(hidden, size) for _ in range(moe.num_experts)])
         self.stats = None
         self.record = None
 
@@ -92,7 +93,8 @@ class SparseMoe(nn.Module):
             if replay is not None:
                 s["replayed"] = s.get("replayed", 0) + replay.sum()
         if s.get("aux_coef"):  # what the load-balancing loss reads (Routing.aux_loss)
-            s["aux_count"] = s.get("aux_count", 0) + torch.bincount(chosen.flatten(), minlength=probs.shape[-1])
+            count = torch.bincount(chosen.flatten(), minlength=probs.shape[-1])  # [E]
+            s["aux_count"] = s.get("aux_count", 0) + count
             s["aux_prob"] = s.get("aux_prob", 0) + probs.sum(0)  # [E], with its gradient
             s["aux_rows"] = s.get("aux_rows", 0) + probs.shape[0]
 
@@ -157,23 +159,27 @@ class MoeArgs:
         """The flags against the checkpoint: these flags need a MoE model, and a MoE model what is
         not built for it (LoRA adapters on experts, --gen-tp, --compile, vLLM with replay) refused."""
         if cfg.moe is None:
-            used = [f for f, on in (("--routing-replay", self.routing_replay), ("--freeze-router", self.freeze_router),
-                                    ("--router-aux-coef", self.router_aux_coef)) if on]
+            flags = (("--routing-replay", self.routing_replay), ("--freeze-router", self.freeze_router),
+                     ("--router-aux-coef", self.router_aux_coef))
+            used = [flag for flag, on in flags if on]
             if used:
-                raise UserError(f"{used[0]}: --model {args.data.model} is a dense model (no experts); leave it out")
+                raise UserError(f"{used[0]}: --model {args.data.model} is a dense model (no experts); "
+                                "leave it out")
             return
         refused = [("--lora-rank", args.lora.lora_rank, "adapters on the experts are not implemented"),
                    ("--gen-tp", args.placement.gen_tp > 1, "the sparse blocks are not split over ranks"),
                    ("--compile", args.compute.compile, "the experts' token counts change every forward"),
-                   ("--routing-replay with --engine vllm", self.routing_replay and args.sampling.engine == "vllm",
+                   ("--routing-replay with --engine vllm",
+                    self.routing_replay and args.sampling.engine == "vllm",
                     "our vLLM engine does not return the experts yet (vLLM's enable_return_routed_experts; "
                     "docs/moe.md): use --engine native"),
-                   ("--routing-replay with --env or --tools", self.routing_replay and (args.env.env or args.env.tools),
+                   ("--routing-replay with --env or --tools",
+                    self.routing_replay and bool(args.env.env or args.env.tools),
                     "multi-turn episodes do not carry the experts of their turns yet")]
         for flag, on, why in refused:
             if on:
-                raise UserError(f"{flag} with a mixture-of-experts --model ({cfg.architecture}): {why}; leave "
-                                "it out")
+                raise UserError(f"{flag} with a mixture-of-experts --model ({cfg.architecture}): {why}; "
+                                "leave it out")
 
 
 class Routing:
@@ -203,7 +209,8 @@ class Routing:
         tokens of every sparse layer together, as transformers' load_balancing_loss_func computes it."""
         if not self.aux_coef or not self.blocks:
             return 0.0
-        count, prob, rows = (sum(b.stats.pop(k) for b in self.blocks) for k in ("aux_count", "aux_prob", "aux_rows"))
+        count, prob, rows = (sum(b.stats.pop(k) for b in self.blocks)
+                             for k in ("aux_count", "aux_prob", "aux_rows"))
         return self.aux_coef * len(prob) * ((count / rows) * (prob / rows)).sum()
 
     def sums(self) -> dict:
@@ -233,7 +240,8 @@ def metrics(total: dict) -> dict:
     tokens = max(1.0, total["moe_tokens"])
     experts = sum(1 for k in total if k.startswith("moe_load/"))
     load = [total[f"moe_load/{e}"] for e in range(experts)]
-    out = {"train/moe_entropy": total["moe_entropy"] / tokens, "train/moe_replayed": total["moe_replayed"] / tokens}
+    out = {"train/moe_entropy": total["moe_entropy"] / tokens,
+           "train/moe_replayed": total["moe_replayed"] / tokens}
     if load:
         whole = max(1.0, sum(load))
         out["train/moe_load_max"] = max(load) / (whole / len(load))

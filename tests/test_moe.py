@@ -78,7 +78,8 @@ def test_export_reloads_in_transformers_and_back(tmp_path):
     with torch.no_grad():
         assert rel_err(model(x), hf(x).logits) < 1e-5
     hf.save_pretrained(str(tmp_path / "b"))  # transformers' own save reads back as the same model
-    assert dataclasses.replace(read_config(str(tmp_path / "b")), extra={}) == dataclasses.replace(cfg, extra={})
+    saved_by_hf = dataclasses.replace(read_config(str(tmp_path / "b")), extra={})
+    assert saved_by_hf == dataclasses.replace(cfg, extra={})
 
 
 def test_qwen2_moe_is_refused_in_one_line(tmp_path):
@@ -105,7 +106,8 @@ def sample(path: str, dtype=torch.float32, temperature: float = 0.0, n: int = 2,
     engine = NativeEngine(read_config(path), tok, dtype=dtype, routes=True)
     engine.load_weights(iter_checkpoint(path))
     prompts = prompts or [tok.encode(p) for p in ("12+34=", "5+6=", "99+1=", "7+70=")]
-    out = engine.generate(prompts, SamplingParams(n, temperature, max_new_tokens=T), list(range(len(prompts))))
+    params = SamplingParams(n, temperature, max_new_tokens=T)
+    out = engine.generate(prompts, params, list(range(len(prompts))))
     batch = make_batch([p for p in prompts for _ in range(n)], out.tokens, out.lengths, tok.pad_id,
                        routes=out.routes)
     return batch, out
@@ -268,12 +270,13 @@ def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
     torchrun(2, "train_grpo.py", *flags, "--run-dir", straight)
     trained = [r for r in metrics(straight) if "train/moe_replayed" in r]
     assert len(trained) == 10 and all(r["train/moe_replayed"] > 0.5 for r in trained)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           *flags, "--run-dir", killed]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "train_grpo.py", *flags, "--run-dir", killed]
     p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
     assert p.wait(timeout=120) != 0
     assert len(metrics(killed)) < len(metrics(straight))
-    assert "resumed from" in torchrun(2, "train_grpo.py", *flags, "--resume", "auto", "--run-dir", killed).stdout
+    resumed = torchrun(2, "train_grpo.py", *flags, "--resume", "auto", "--run-dir", killed)
+    assert "resumed from" in resumed.stdout
     same_run(straight, killed)
 
 
