@@ -16,7 +16,7 @@ import tyro
 import placement
 from engines import tp
 from engines.decode import SamplingParams
-from engines.make import check_engine
+from engines.make import check_engine, engine_kind
 from models.hf import checked_model, read_config
 from tasks.data import BUILTIN
 from utils import checkpoint, errors
@@ -236,6 +236,7 @@ def check_flags(args, world: int) -> placement.Layout:
         ("micro_batch_size", args.micro_batch_size >= 1, "use 1 or more"),
         ("micro_batch_tokens", args.micro_batch_tokens >= 0, "use 0 (rows, padded) or more")])
     args.env.check()
+    args.agent.check(args.env)
     args.distill.check()
     args.run_args.check()
     args.lora.check(args.sampling.engine, args.placement.placement)
@@ -261,4 +262,5 @@ def check_models(args, world: int, text_readers: dict | None = None):
     args.distill.check_model(args.data.model)
     args.env.check_model(args.data.model)  # the chat template carries an episode token for token
     tp.check_args(args, world)  # --gen-tp: the model's heads and MLP split over K ranks
-    args.moe.check_model(read_config(args.data.model), args)  # a MoE model's flags, and what it refuses
+    engine = engine_kind(args.sampling.engine, "cuda" if torch.cuda.is_available() else "cpu")
+    args.moe.check_model(read_config(args.data.model), args, engine)  # a MoE model's flags, what it refuses

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 import placement
-from engines import episodes
+from engines import agents, episodes
 from engines.base import Samples
 from engines.decode import SamplingParams
 from engines.episodes import EnvArgs
@@ -77,6 +77,8 @@ def set_up(args) -> tuple:
                                   max_images=most_images(rows + eval_rows), routes=args.moe.routing_replay)
     local_engine = episodes.wrap(engine_of, args.env, tok, rows + eval_rows,
                                  args.sampling.max_new_tokens)  # --env: an episode's turns
+    local_engine = agents.wrap(local_engine, args.agent, tok, rows + eval_rows, args.sampling.max_new_tokens,
+                               args.data.max_prompt_tokens, args.sampling.temperature)  # --agent: an endpoint
     return cfg, tok, plan, (rows, skipped, eval_rows), local_engine
 
 

@@ -28,6 +28,7 @@ import placement
 import rollouts
 import flags
 import run
+from engines.agents import AgentArgs
 from engines.episodes import EnvArgs
 from models.lora import LoraArgs
 from models.moe import MoeArgs
@@ -64,6 +65,7 @@ class Args:
     """grpo: divide group advantages by the group's reward std; off = Dr. GRPO (with --loss-agg constant)"""
     sampling: Flat[SamplingArgs] = field(default_factory=SamplingArgs)
     env: Flat[EnvArgs] = field(default_factory=EnvArgs)
+    agent: Flat[AgentArgs] = field(default_factory=AgentArgs)
     reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
     overlong: Flat[OverlongArgs] = field(default_factory=OverlongArgs)
     judge: Flat[judge_role.JudgeArgs] = field(default_factory=judge_role.JudgeArgs)
@@ -288,7 +290,7 @@ def train(args: Args, plan, arrival, cfg, tok, prompts: tuple, local_engine):
         got = rollout.step(step, timer)  # this rank's prompts -> samples -> rewards
 
         # the batch: one row per completion; samples that are not kept leave the loss
-        prompt_ids = per_sample([r["ids"] for r in got.rows], n)
+        prompt_ids = got.samples.prompts or per_sample([r["ids"] for r in got.rows], n)  # --agent: its own
         batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device,
                            got.samples.model_mask, got.samples.routes)  # episodes: env tokens out of the loss
         batch["loss_mask"] = batch["loss_mask"] * got.keep[:, None].to(device)  # [N, T]

@@ -31,6 +31,7 @@ import placement
 import rollouts
 import flags
 import run
+from engines.agents import AgentArgs
 from engines.episodes import EnvArgs
 from models.hf import checked_model, read_config
 from models.lora import LoraArgs
@@ -59,6 +60,7 @@ class Args:
     data: Flat[DataArgs] = field(default_factory=DataArgs)
     sampling: Flat[SamplingArgs] = field(default_factory=SamplingArgs)
     env: Flat[EnvArgs] = field(default_factory=EnvArgs)
+    agent: Flat[AgentArgs] = field(default_factory=AgentArgs)
     reward: Flat[RewardArgs] = field(default_factory=RewardArgs)
     gamma: float = 1.0
     """GAE's discount (1: the score at the end counts fully at every token)"""
@@ -287,7 +289,7 @@ if __name__ == "__main__":
         got = rollout.step(step, timer)  # this rank's prompts -> samples -> rewards
 
         # the batch: one row per completion; a sample without a reward leaves the loss
-        prompt_ids = per_sample([r["ids"] for r in got.rows], n)
+        prompt_ids = got.samples.prompts or per_sample([r["ids"] for r in got.rows], n)  # --agent: its own
         batch = make_batch(prompt_ids, got.samples.tokens, got.samples.lengths, tok.pad_id, device,
                            got.samples.model_mask, got.samples.routes)  # episodes: env tokens out of the loss
         batch["old_logp"] = got.samples.logprobs.to(device)  # [N, T]

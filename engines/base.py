@@ -34,6 +34,8 @@ class Samples:
     # a MoE model's experts with --routing-replay (models/moe.py Recorder): per sample, int16
     # [len(prompt) + length, layers, k], the prompt's tokens then the completion's (-1: not recorded)
     routes: list | None = None
+    # --agent episodes (engines/agents.py): per sample, the prompt ids its agent's first request rendered
+    prompts: list | None = None
 
     @classmethod
     def empty(cls, version: int = 0) -> "Samples":
@@ -50,7 +52,8 @@ class Samples:
                        pick(self.model_mask), pick(self.token_versions),
                        {k: v[index] for k, v in self.episode.items()},
                        None if self.transcripts is None else [self.transcripts[i] for i in rows],
-                       None if self.routes is None else [self.routes[i] for i in rows])
+                       None if self.routes is None else [self.routes[i] for i in rows],
+                       None if self.prompts is None else [self.prompts[i] for i in rows])
 
     @staticmethod
     def cat(parts: list["Samples"]) -> "Samples":
@@ -67,7 +70,9 @@ class Samples:
                        if turns else {},
                        [t for p in turns for t in p.transcripts] if turns else None,
                        [r for p in parts for r in p.routes or []]
-                       if all(p.routes is not None or not len(p.lengths) for p in parts) else None)
+                       if all(p.routes is not None or not len(p.lengths) for p in parts) else None,
+                       [r for p in parts for r in p.prompts or []]
+                       if all(p.prompts is not None or not len(p.lengths) for p in parts) else None)
 
 
 class Engine:

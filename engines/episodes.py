@@ -37,6 +37,8 @@ from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, time_limit
 
 STOPS = ("answer", "max_turns", "length", "env_error", "template")  # why an episode ended
+# why an --agent episode failed (engines/agents.py): its sample leaves the loss
+AGENT_FAILED = ("timeout", "raised", "bad_return", "rewrite", "refused")
 
 
 @dataclass
@@ -370,13 +372,13 @@ def check_template(tok, tools):
 
 
 STATS = ("turns", "env_tokens", "env_reward", "tool_calls", *(f"tool_error/{k}" for k in ERRORS),
-         *(f"stop/{k}" for k in STOPS))
+         *(f"stop/{k}" for k in STOPS + AGENT_FAILED), "failed")
 
 
 def sums(out: Samples) -> dict:
-    """This rank's episode numbers, to sum over the trainers (zeros for single-turn samples:
-    every rank reduces the same keys)."""
-    got = {f"episode/{k}": float(out.episode[k].sum()) if out.episode else 0.0 for k in STATS}
+    """This rank's episode numbers, to sum over the trainers (zeros for single-turn samples, and for
+    what an episode's kind does not count: every rank reduces the same keys)."""
+    got = {f"episode/{k}": float(out.episode[k].sum()) if k in out.episode else 0.0 for k in STATS}
     got["episode/count"] = len(out.texts) if out.episode else 0
     got["episode/calling"] = int((out.episode["tool_calls"] > 0).sum()) if out.episode else 0
     return got

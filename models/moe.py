@@ -155,9 +155,10 @@ class MoeArgs:
     def check(self):
         check_rules(self, [("router_aux_coef", 0 <= self.router_aux_coef < math.inf, "use 0 (off) or more")])
 
-    def check_model(self, cfg: ModelConfig, args):
+    def check_model(self, cfg: ModelConfig, args, engine: str):
         """The flags against the checkpoint: these flags need a MoE model, and a MoE model what is
-        not built for it (LoRA adapters on experts, --gen-tp, --compile, vLLM with replay) refused."""
+        not built for it (LoRA adapters on experts, --gen-tp, --compile, vLLM with replay) refused.
+        engine: the engine --engine resolves to on this machine (auto: vLLM on a GPU where installed)."""
         if cfg.moe is None:
             flags = (("--routing-replay", self.routing_replay), ("--freeze-router", self.freeze_router),
                      ("--router-aux-coef", self.router_aux_coef))
@@ -169,10 +170,13 @@ class MoeArgs:
         refused = [("--lora-rank", args.lora.lora_rank, "adapters on the experts are not implemented"),
                    ("--gen-tp", args.placement.gen_tp > 1, "the sparse blocks are not split over ranks"),
                    ("--compile", args.compute.compile, "the experts' token counts change every forward"),
-                   ("--routing-replay with --engine vllm",
-                    self.routing_replay and args.sampling.engine == "vllm",
+                   (f"--routing-replay with --engine {args.sampling.engine} (here: vllm)",
+                    self.routing_replay and engine == "vllm",
                     "our vLLM engine does not return the experts yet (vLLM's enable_return_routed_experts; "
                     "docs/moe.md): use --engine native"),
+                   ("--router-aux-coef with --freeze-router", self.router_aux_coef and self.freeze_router,
+                    "frozen routers cannot move toward balance, and the loss would only move the layers "
+                    "below them"),
                    ("--routing-replay with --env or --tools",
                     self.routing_replay and bool(args.env.env or args.env.tools),
                     "multi-turn episodes do not carry the experts of their turns yet")]

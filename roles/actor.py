@@ -142,6 +142,9 @@ class Actor:
             batch = self.rows_to_train(batch)
         sums = {"gap_sum": 0.0, "rows": len(batch["adv"]), "trained_tokens": batch["loss_mask"].sum()}
         gap_max = torch.zeros((), device=batch["loss_mask"].device)
+        if self.routing.replay and len(batch["adv"]) and "routes" not in batch:
+            raise RuntimeError("--routing-replay: the samples carry no experts (their engine did not record "
+                               "them)")
         mbs = [mb for _, mb in self.micro_batches(batch)]
         self.routing.start()
         for i, mb in enumerate(mbs):

@@ -156,6 +156,9 @@ class Scorer:
             prompts = per_sample([r["prompt"] for r in rows], n)
             rewards, parts, failed = self.reward.score(prompts, out.texts, columns, rm_scores, judged)
             if out.episode:  # multi-turn episodes: the environment's own rewards, summed over its turns
+                if "failed" in out.episode:  # --agent: a failed episode has no reward, and leaves the loss
+                    failed = failed | (out.episode["failed"] > 0)
+                    rewards = rewards.masked_fill(failed, 0.0)
                 parts["env"] = out.episode["env_reward"] * ~failed
                 rewards = rewards + parts["env"]
             cfg = self.overlong

@@ -486,7 +486,7 @@ def make_batch(prompts: list[list[int]], tokens, lengths, pad_id: int, device="c
     loss_mask = completion.float() if model_mask is None else completion * model_mask
     batch = {"input_ids": input_ids.to(device), "valid": valid.to(device), "prompt_len": P,
              "loss_mask": loss_mask.to(device)}
-    if routes is not None:
+    if routes:  # (a rank's empty batch has none)
         batch["routes"] = torch.full((N, P + T, *routes[0].shape[1:]), -1, dtype=torch.int16)
         for i, (p, r) in enumerate(zip(prompts, routes)):
             batch["routes"][i, P - len(p):P - len(p) + len(r)] = r

@@ -245,15 +245,19 @@ def test_flags_that_need_or_refuse_experts(moe_dir, tmp_path):
     args = Args()
     args.data.model, args.moe.routing_replay = dense, True
     with pytest.raises(UserError, match="--routing-replay: --model .* is a dense model"):
-        args.moe.check_model(read_config(dense), args)
+        args.moe.check_model(read_config(dense), args, "native")
     args = Args()
     args.data.model, args.lora.lora_rank = moe_dir, 8
     with pytest.raises(UserError, match="--lora-rank with a mixture-of-experts --model"):
-        args.moe.check_model(read_config(moe_dir), args)
+        args.moe.check_model(read_config(moe_dir), args, "native")
     args = Args()
-    args.data.model, args.moe.routing_replay, args.sampling.engine = moe_dir, True, "vllm"
-    with pytest.raises(UserError, match="--routing-replay with --engine vllm"):
-        args.moe.check_model(read_config(moe_dir), args)
+    args.data.model, args.moe.routing_replay = moe_dir, True  # --engine auto, which a GPU makes vLLM
+    with pytest.raises(UserError, match=r"--routing-replay with --engine auto \(here: vllm\)"):
+        args.moe.check_model(read_config(moe_dir), args, "vllm")
+    args.moe.check_model(read_config(moe_dir), args, "native")  # on CPU: the native engine
+    args.moe.router_aux_coef, args.moe.freeze_router = 0.01, True
+    with pytest.raises(UserError, match="--router-aux-coef with --freeze-router"):
+        args.moe.check_model(read_config(moe_dir), args, "native")
 
 
 def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
