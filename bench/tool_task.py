@@ -2,11 +2,13 @@
 numbers, which a 1M-parameter model cannot compute) with the calculator `tasks.env:multiply`,
 from assets/tool-tiny (warm-started to call it on ~1 in 5 samples), on 2 CPU ranks, for several
 seeds; and the control: the same run without --tools (a call then runs nothing, the model must
-answer in its head). Prints held-out accuracy at the start and the end, the tool-call rate of
-the first and last steps, and the wall time. Then the throughput of episodes against
-single-turn generation on the same model and prompts (native engine, in this process).
+answer in its head); with --agent-seeds, the same task as an ordinary openai-client agent trained
+through the run's endpoint (--agent tasks.agents:multiply_agent, engines/agents.py). Prints
+held-out accuracy at the start and the end, the tool-call rate of the first and last steps, and
+the wall time. Then the throughput of episodes against single-turn generation on the same model
+and prompts (native engine, in this process), and of the agent's episodes through the endpoint.
 
-    python bench/tool_task.py [--seeds 0 1 2] [--steps 120] [--control-seeds 0]
+    python bench/tool_task.py [--seeds 0 1 2] [--steps 120] [--control-seeds 0] [--agent-seeds 0 1 2]
 """
 import argparse
 import json
@@ -24,14 +26,16 @@ FLAGS = ["--model", "assets/tool-tiny", "--dataset", "builtin:multiply", "--max-
          "--max-new-tokens", "96", "--prompts-per-step", "16", "--num-generations", "8", "--eval-every", "20",
          "--save-every", "0", "--no-save-final"]
 TOOLS = ["--tools", "tasks.env:multiply"]
+AGENT = ["--agent", "tasks.agents:multiply_agent"]
+RUNS = {"tools": TOOLS, "control (no tools)": [], "agent (openai client)": AGENT}
 
 
-def learning(seeds, steps: int, control: bool) -> list[dict]:
+def learning(seeds, steps: int, kind: str) -> list[dict]:
     rows = []
     for seed in seeds:
         with tempfile.TemporaryDirectory() as run:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "train_grpo.py", *FLAGS, *([] if control else TOOLS), "--steps", str(steps),
+                   "train_grpo.py", *FLAGS, *RUNS[kind], "--steps", str(steps),
                    "--seed", str(seed), "--run-dir", run]
             t = time.time()
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -43,7 +47,7 @@ def learning(seeds, steps: int, control: bool) -> list[dict]:
         steps_ = [m for m in ms if not m.get("final")]
         evals = [m["eval/accuracy"] for m in ms if "eval/accuracy" in m]
         rate = [m.get("episode/tool_call_rate", float("nan")) for m in steps_]  # nan: no tools, no episodes
-        rows.append({"run": "control (no tools)" if control else "tools", "seed": seed, "acc_start": evals[0],
+        rows.append({"run": kind, "seed": seed, "acc_start": evals[0],
                      "acc_end": evals[-1], "rate_start": rate[0], "rate_end": sum(rate[-5:]) / len(rate[-5:]),
                      "reward_end": sum(m["rollout/reward"] for m in steps_[-5:]) / 5, "wall_s": wall})
         print(json.dumps(rows[-1]), flush=True)
@@ -74,6 +78,7 @@ def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tu
     best round's requests, turn by turn."""
     import torch
 
+    from engines.agents import AgentArgs, Agents
     from engines.decode import SamplingParams
     from engines.episodes import EnvArgs, Episodes, tokenize
     from engines.native import NativeEngine
@@ -89,12 +94,14 @@ def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tu
     engine.load_weights(iter_checkpoint(model))
     timed = Timed(engine)
     episodes = Episodes(timed, cfg, tok, rows, 96)
+    agents = Agents(timed, AgentArgs(agent="tasks.agents:multiply_agent"), tok, rows, 96, 32, 1.0)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=96)
     out, turns = [], {}
     for name, eng, p, keep in [
             ("single-turn", engine, SamplingParams(n=n, temperature=1.0, max_new_tokens=48), False),
             ("episodes (tools)", episodes, params, True),
-            ("episodes, each turn prefilled whole", episodes, params, False)]:
+            ("episodes, each turn prefilled whole", episodes, params, False),
+            ("agent through the endpoint (--agent)", agents, params, True)]:
         engine.keep_prefixes = keep  # on: a turn prefills only what follows the last turn's KV cache
         best = None
         for r in range(rounds):
@@ -113,6 +120,7 @@ def throughput(model: str, prompts: int = 64, n: int = 8, rounds: int = 3) -> tu
                 turns[name] = list(timed.calls)
         out.append(best)
     episodes.close()
+    agents.endpoint.stop()
     return out, turns
 
 
@@ -120,6 +128,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--control-seeds", type=int, nargs="*", default=[0])
+    ap.add_argument("--agent-seeds", type=int, nargs="*", default=[])
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--skip-learning", action="store_true")
     ap.add_argument("--models", nargs="+", default=["assets/tool-tiny"],
@@ -127,7 +136,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     table = []
     if not a.skip_learning:
-        table = learning(a.seeds, a.steps, False) + learning(a.control_seeds, a.steps, True)
+        table = (learning(a.seeds, a.steps, "tools") + learning(a.control_seeds, a.steps, "control (no tools)")
+                 + learning(a.agent_seeds, a.steps, "agent (openai client)"))
         print(f"\n{'run':<20} {'seed':>4} {'held-out acc':>14} {'tool-call rate':>16} "
               f"{'reward (last 5)':>16} {'wall s':>7}")
         for r in table:
@@ -141,7 +151,7 @@ if __name__ == "__main__":
         for r in rows:
             print(f"{r['mode']:<36} {r['s']:>6.2f} {r['episodes_per_s']:>11.1f} "
                   f"{r['model_tokens_per_s']:>12.0f} {r['turns']:>6.2f} {r['calling']:>8.2f}")
-        for name in rows[1]["mode"], rows[2]["mode"]:
+        for name in [r["mode"] for r in rows[1:]]:
             print(f"  {name}:")
             for turn, context, made, seconds in turns[name]:
                 print(f"    request {turn}: {context} context tokens, {made} generated, {seconds:.2f} s")
