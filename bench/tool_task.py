@@ -136,7 +136,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     table = []
     if not a.skip_learning:
-        table = (learning(a.seeds, a.steps, "tools") + learning(a.control_seeds, a.steps, "control (no tools)")
+        table = (learning(a.seeds, a.steps, "tools")
+                 + learning(a.control_seeds, a.steps, "control (no tools)")
                  + learning(a.agent_seeds, a.steps, "agent (openai client)"))
         print(f"\n{'run':<20} {'seed':>4} {'held-out acc':>14} {'tool-call rate':>16} "
               f"{'reward (last 5)':>16} {'wall s':>7}")

@@ -24,37 +24,37 @@ A request that does not extend its episode (the agent rewrote or dropped earlier
 refused (HTTP 400, the episode fails: `stop/rewrite`): a branch would be a second sample of one
 row, and a GRPO group has n samples. Streaming is refused too (HTTP 400). The requests of all live
 episodes are batched into one engine call: the batcher (this rank's main thread, the only one that
-touches the engine) waits until every live episode is waiting for the model or done, or
-`--agent-batch-wait-s` after the first request, then generates them together. Budgets end
-stragglers, counted by cause in `episode/stop/*`: --agent-max-turns model turns, --max-new-tokens
-tokens after the prompt, --agent-timeout-s wall seconds. An episode whose function raises, runs past
-its time, returns something other than a number or None, or whose requests are refused, fails:
-its sample gets no reward and leaves the loss (reward/failures counts it).
+touches the engine) waits until every live episode is waiting for the model or done, or until no
+new request has come for --agent-batch-wait-s, then generates them together. The agents run in
+threads (a function may be `async`: it then runs in an event loop of its thread); a thread that
+hangs cannot be killed, so a hung function keeps its thread, its episode failed and its requests
+refused. Budgets end stragglers, counted by cause in `episode/stop/*`: --agent-max-turns model
+turns and --max-new-tokens tokens after the prompt (the request past them is refused; the episode
+is trained as far as it got), --agent-timeout-s wall seconds (the episode fails). An episode whose
+function raises (but not at a budget's refusal), runs past its time, returns something other than
+a number or None, rewrites its history or sends what cannot be rendered fails: its sample gets no
+reward and leaves the loss (reward/failures counts it).
 """
 import asyncio
 import inspect
-import json
 import math
 import queue
-import socket
-import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
 
 from engines.base import Engine, Samples
-from engines.episodes import AGENT_FAILED, template_delta, turn_seed
-from tasks.env import load, parse_tool_calls
+from engines.endpoint import Endpoint, answer_error, assistant_message, check_request, completion, same_turn
+from engines.episodes import AGENT_FAILED, check_template, template_delta, turn_seed
+from tasks.env import load
 from utils.errors import UserError, check_rules
 
 STOPS = ("answer", "max_turns", "length", *AGENT_FAILED)  # why an episode ended
 FAILED = AGENT_FAILED  # these episodes leave the loss
-SERVED = {"model", "messages", "tools", "tool_choice", "temperature", "max_tokens", "max_completion_tokens",
-          "n", "stream", "logprobs", "top_logprobs", "user", "metadata", "store", "parallel_tool_calls"}
 
 
 @dataclass
@@ -97,14 +97,14 @@ class AgentArgs:
         if self.agent is None:
             return
         if env.env is not None or env.tools:
-            raise UserError("--agent with --env or --tools: an agent runs its own tools and turns through the "
-                            "endpoint; use one of them")
+            raise UserError("--agent with --env or --tools: an agent runs its own tools and turns through "
+                            "the endpoint; use one of them")
         fn = load(self.agent, "--agent")
         try:
             inspect.signature(fn).bind("http://127.0.0.1:1/v1", {})
         except TypeError:
-            raise UserError(f"--agent {self.agent}: the trainer calls fn(base_url, row); make it take those two "
-                            "arguments") from None
+            raise UserError(f"--agent {self.agent}: the trainer calls fn(base_url, row); make it take those "
+                            "two arguments") from None
         except ValueError:
             pass  # a callable Python cannot describe: called as it is
 
@@ -145,11 +145,12 @@ class Agents(Engine):
 
     def __init__(self, engine, cfg: AgentArgs, tok, rows: list[dict], max_new_tokens: int, max_prompt: int,
                  temperature: float, rank: int = 0):
-        self.engine, self.cfg, self.tok, self.budget, self.max_prompt = engine, cfg, tok, max_new_tokens, max_prompt
-        self.temperature = temperature
+        self.engine, self.cfg, self.tok = engine, cfg, tok
+        self.budget, self.max_prompt, self.temperature = max_new_tokens, max_prompt, temperature
         self.fn = load(cfg.agent, "--agent")
         self.starts = {tuple(r["ids"]): r for r in rows}
         self.eos = set(tok.eos_ids)
+        check_template(tok, None)  # a template that rewrites history cannot carry an episode
         self.inbox = queue.Queue()  # (episode key, request body, Future) from the server; ("done", ...)
         self.live = {}  # episode key -> Episode, during a generate
         self.endpoint = Endpoint(self, cfg.agent_port + rank if cfg.agent_port else 0)
@@ -251,11 +252,11 @@ class Agents(Engine):
         key, body, future = item
         e = self.live.get(key)
         if e is None or e.state == "done" or e.stop in FAILED:
-            _answer(future, 410, "this episode is over (it ended, failed or ran out of its budget)")
+            answer_error(future, 410, "this episode is over (it ended, failed or ran out of its budget)")
             return False
         error, status = self._add_messages(e, body)
         if error:
-            _answer(future, status, error)
+            answer_error(future, status, error)
             if e.stop is not None:
                 e.state = "waiting_end"
             return False
@@ -286,8 +287,8 @@ class Agents(Engine):
         k = len(e.sent)
         if tools != e.tools or messages[:k] != e.sent or not same_turn(messages[k:k + 1], e.last):
             e.stop = "rewrite"
-            return ("the messages do not extend this episode (its earlier messages, then the assistant message "
-                    "it was answered with, unchanged): a rewritten history is refused"), 400
+            return ("the messages do not extend this episode (its earlier messages, then the assistant "
+                    "message it was answered with, unchanged): a rewritten history is refused"), 400
         new = [self._cap(e, m) for m in messages[k + 1:]]
         if not new:
             e.stop = "refused"
@@ -349,19 +350,17 @@ class Agents(Engine):
                 reason = "tool_calls"
             e.last = message
             e.state = "running"
-            future.set_result((200, {
-                "id": f"chatcmpl-{e.key[:12]}-{e.turns}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.cfg.agent_model,
-                "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-                "usage": {"prompt_tokens": len(e.prompt) + len(e.ids) - len(ids), "completion_tokens": len(ids),
-                          "total_tokens": len(e.prompt) + len(e.ids)}}))
+            context = len(e.prompt) + len(e.ids) - len(ids)
+            key = f"{e.key[:12]}-{e.turns}"
+            reply = completion(key, self.cfg.agent_model, message, reason, context, len(ids))
+            future.set_result((200, reply))
             if len(e.mask) >= self.budget:
                 e.stop = "length"
 
     def _refuse(self, pending: list, e: Episode, why: str) -> list:
         for item in pending:
             if item[0] is e:
-                _answer(item[2], 410, why)
+                answer_error(item[2], 410, why)
         return [item for item in pending if item[0] is not e]
 
     def _end(self, e: Episode, why: str):
@@ -384,7 +383,8 @@ class Agents(Engine):
                 versions[i, :L] = torch.tensor(e.versions, dtype=torch.long)
         stats = {"turns": [e.turns for e in eps], "env_tokens": [e.agent_tokens for e in eps],
                  "env_reward": [e.reward for e in eps], "tool_calls": [e.tool_calls for e in eps],
-                 "failed": [float(e.stop in FAILED) for e in eps], "tool_error/too_long": [e.cut for e in eps]}
+                 "failed": [float(e.stop in FAILED) for e in eps],
+                 "tool_error/too_long": [e.cut for e in eps]}
         for why in STOPS:
             stats[f"stop/{why}"] = [float(e.stop == why) for e in eps]
         model_versions = [v for e in eps for v in e.versions if v >= 0]
@@ -397,114 +397,6 @@ class Agents(Engine):
             prompts=[e.prompt or prompts[i // n] for i, e in enumerate(eps)])
 
 
-def check_request(body: dict, model: str, temperature: float) -> str | None:
-    """What this endpoint does not serve, as one message for the agent (None: served)."""
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-        return "a request needs `messages`, a non-empty list"
-    unknown = sorted(set(body) - SERVED)
-    if unknown:
-        return f"parameters not served here: {', '.join(unknown)} (the policy samples as the run's flags say)"
-    if body.get("model") != model:
-        return f"model {body.get('model')!r} is not served here; this endpoint serves {model!r}"
-    if body.get("stream"):
-        return "streaming is not served: send stream=false"
-    if body.get("n", 1) != 1:
-        return "n must be 1: each episode is one sample"
-    t = body.get("temperature")
-    if t is not None and abs(float(t) - temperature) > 1e-9:
-        return (f"temperature {t} is not the run's --temperature {temperature}: the trainer's log-probs are at "
-                "the run's temperature; leave it out")
-    if body.get("tool_choice") not in (None, "auto"):
-        return "tool_choice other than auto is not served"
-    for m in body["messages"]:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            return "each message is an object with a role: system, user, assistant or tool"
-    return None
-
-
-def assistant_message(text: str) -> tuple[dict, list]:
-    """The model's turn as OpenAI's assistant message: its tool calls (the Qwen / Hermes
-    `<tool_call>{"name", "arguments"}</tool_call>` format, tasks.env.parse_tool_calls) as
-    `tool_calls`, the rest as `content`. -> (message, the well-formed calls)."""
-    calls = [(name, args) for name, args, wrong in parse_tool_calls(text) if wrong is None]
-    message = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = [{"id": f"call_{i}", "type": "function",
-                                  "function": {"name": name, "arguments": json.dumps(args)}}
-                                 for i, (name, args) in enumerate(calls)]
-    return message, calls
-
-
-def same_turn(echoed: list, answered: dict | None) -> bool:
-    """Whether the agent's echo of the assistant message is the one it was answered with: the same
-    content, or (an agent that keeps only the calls) the same tool calls by name and arguments."""
-    if not echoed or answered is None or echoed[0].get("role") != "assistant":
-        return False
-    m = echoed[0]
-    if m.get("content") == answered["content"]:
-        return True
-    calls = lambda msg: [(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))  # noqa: E731
-                         for c in msg.get("tool_calls") or []]
-    try:
-        return bool(answered.get("tool_calls")) and calls(m) == calls(answered)
-    except (KeyError, TypeError, ValueError):
-        return False
-
-
-def _answer(future: Future, status: int, message: str):
-    if not future.done():
-        future.set_result((status, {"error": {"message": message, "type": "invalid_request_error"}}))
-
-
-class Endpoint:
-    """The OpenAI-compatible server of one rank: starlette on uvicorn in a daemon thread, on
-    127.0.0.1 only; each request goes to the batcher's inbox and waits for its answer."""
-
-    def __init__(self, agents: Agents, port: int):
-        # deferred: only an --agent run serves (starlette and uvicorn are requirements.txt's, not light)
-        import uvicorn
-        from starlette.applications import Starlette
-        from starlette.responses import JSONResponse
-        from starlette.routing import Route
-
-        async def completions(request):
-            try:
-                body = await request.json()
-            except ValueError:
-                return JSONResponse({"error": {"message": "the body is not JSON"}}, status_code=400)
-            future = Future()
-            agents.inbox.put((request.path_params["key"], body, future))
-            status, reply = await asyncio.wrap_future(future)
-            return JSONResponse(reply, status_code=status)
-
-        async def models(request):
-            return JSONResponse({"object": "list", "data": [{"id": agents.cfg.agent_model, "object": "model"}]})
-
-        app = Starlette(routes=[Route("/episodes/{key}/v1/chat/completions", completions, methods=["POST"]),
-                                Route("/episodes/{key}/v1/models", models)])
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind(("127.0.0.1", port))
-        except OSError as e:
-            self.sock.close()
-            raise UserError(f"--agent-port {port}: {e.strerror} on 127.0.0.1; pick another port, or 0 (any free "
-                            "port)") from None
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="agent-endpoint")
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
-        self.sock.close()
-
-
 def wrap(local_engine, cfg: AgentArgs, tok, rows: list[dict], max_new_tokens: int, max_prompt: int,
          temperature: float):
     """The engine factory of this run: `local_engine`'s engines as they are, or with --agent wrapped
@@ -512,4 +404,5 @@ def wrap(local_engine, cfg: AgentArgs, tok, rows: list[dict], max_new_tokens: in
     if cfg.agent is None:
         return local_engine
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return lambda **kw: Agents(local_engine(**kw), cfg, tok, rows, max_new_tokens, max_prompt, temperature, rank)
+    return lambda **kw: Agents(local_engine(**kw), cfg, tok, rows, max_new_tokens, max_prompt, temperature,
+                               rank)

@@ -14,6 +14,8 @@ A reward is a sum of weighted terms, each either built in or `module:function`:
                DIR, roles/judge.py; NaN: the judge failed on that sample)
     pkg.mod:fn any function fn(prompts, completions, **columns) -> list[float], every dataset column
                and finish_reason by keyword (checked against that call before the steps: check_reward)
+    http://... a reward service: the same arguments POSTed as JSON, one number per completion read
+               back, with --reward-timeout-s and --reward-retries (tasks/remote.py)
 A user function that raises is retried sample by sample; a sample that still fails scores 0 and is
 counted in the step's metrics (`reward/failures`); so does a call that runs past the time limit
 (all its samples score 0). The wrong number of scores is a bug in the function: a clear error.
@@ -31,16 +33,20 @@ from rl import algos
 from roles import reward_model
 from roles.judge import judge_chunk
 from tasks.data import dataset_columns, make_batch, per_sample
+from tasks.remote import HttpReward
 from tasks.rewards import REWARDS
 from utils.callables import check_reward
 from utils.errors import UserError, check_rules
 from utils.sandbox import TimeLimit, check_sandbox, time_limit
 
 
-def resolve(name: str):
-    """A --rewards term's function: built in, or 'module:function' imported."""
+def resolve(name: str, timeout_s: float = 60.0, retries: int = 2):
+    """A --rewards term's function: built in, a reward service's URL (tasks/remote.py), or
+    'module:function' imported."""
     if name in REWARDS:
         return REWARDS[name]
+    if name.startswith(("http://", "https://")):  # each try gets its share of the call's time limit
+        return HttpReward(name, 0.9 * timeout_s / (retries + 1), retries)
     if ":" not in name:
         raise UserError(f"reward {name!r}: use one of {sorted(REWARDS)} or 'module:function'")
     module, fn = name.split(":", 1)
@@ -61,12 +67,17 @@ class RewardArgs:
     """a Bradley-Terry reward model (a HF ...ForSequenceClassification checkpoint with the policy's
     tokenizer; train_rm.py trains one): the `rm` term of --rewards"""
     reward_timeout_s: float = 60.0
-    """a reward function call running longer scores 0 for its samples (counted in reward/failures)"""
+    """a reward function call running longer scores 0 for its samples (counted in reward/failures); an
+    http:// term's request too"""
+    reward_retries: int = 2
+    """an http:// term: tries again after a connection error, a timeout, HTTP 429 or 5xx, this many times"""
     code_timeout_s: float = 5.0
     """--rewards code: the code reward's wall-clock limit per completion (sandboxed process)"""
     code_memory_mb: int = 512
     """--rewards code: the code reward's memory limit per completion"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
+        "reward_retries": ("rewards", lambda terms: any(t.startswith(("http://", "https://")) for t in terms),
+                           "an http:// term of --rewards"),
         "code_timeout_s": ("rewards", lambda terms: "code" in terms, "the `code` term of --rewards"),
         "code_memory_mb": ("rewards", lambda terms: "code" in terms, "the `code` term of --rewards")}
 
@@ -79,6 +90,7 @@ class RewardArgs:
             ("reward_model", (self.reward_model is None) == ("rm" not in self.rewards),
              "a reward model and the `rm` term of --rewards go together: give both, or neither"),
             ("reward_timeout_s", self.reward_timeout_s > 0, "use a positive number of seconds"),
+            ("reward_retries", self.reward_retries >= 0, "use 0 or more"),
             ("code_timeout_s", self.code_timeout_s > 0, "use a positive number of seconds"),
             ("code_memory_mb", self.code_memory_mb >= 32, "use 32 or more")])
         if "accuracy" in self.rewards and data.answer_column is None:
@@ -98,7 +110,8 @@ class RewardArgs:
                             f"other --rewards")
         columns = [*dataset_columns(rows[:1], 1), "finish_reason"]  # what Scorer.score passes
         for name in self.rewards:
-            if name not in REWARDS and name not in ("rm", "judge"):
+            served = name.startswith(("http://", "https://"))  # a reward service: no function to check
+            if name not in REWARDS and name not in ("rm", "judge") and not served:
                 check_reward(resolve(name), name, columns)
 
 
@@ -132,7 +145,7 @@ class Scorer:
         self.names, self.rm, self.judge, self.pad_id, self.device = cfg.rewards, rm, judge, pad_id, device
         self.max_new_tokens, self.overlong = max_new_tokens, overlong or OverlongArgs()
         self.reward = Reward(cfg.rewards, cfg.reward_weights, cfg.reward_timeout_s, cfg.code_timeout_s,
-                             cfg.code_memory_mb)
+                             cfg.code_memory_mb, cfg.reward_retries)
 
     def score(self, rows, seeds, out, judged, n: int, timer, tally: dict):
         """rows, seeds: one per prompt; out: n samples each; judged [N] or None. Returns
@@ -181,11 +194,12 @@ class Reward:
     what teach_grpo.py calls alone (its one term, accuracy)."""
 
     def __init__(self, names, weights=None, timeout_s: float = 60.0, code_timeout_s: float = 5.0,
-                 code_memory_mb: int = 512):
+                 code_memory_mb: int = 512, retries: int = 2):
         weights = list(weights) if weights else [1.0] * len(names)
         if len(weights) != len(names):
             raise UserError(f"{len(names)} reward functions but {len(weights)} --reward-weights")
-        self.terms = [(n, None if n in ("rm", "judge") else resolve(n), w) for n, w in zip(names, weights)]
+        self.terms = [(n, None if n in ("rm", "judge") else resolve(n, timeout_s, retries), w)
+                      for n, w in zip(names, weights)]
         self.names, self.timeout_s, self.failures = list(names), timeout_s, {}  # failures: name -> its error
         if "code" in names:
             check_sandbox()
@@ -208,6 +222,8 @@ class Reward:
                 scores = [0.0 if bad else v for v, bad in zip(scores, term_failed)]
             else:
                 scores, term_failed = _call(name, fn, prompts, completions, columns, timeout_s, self.failures)
+                if any(term_failed) and getattr(fn, "last_error", None):  # a reward service's failure
+                    self.failures[name] = fn.last_error
             parts[name] = torch.tensor(scores)
             total += w * parts[name]
             failed |= torch.tensor(term_failed, dtype=torch.bool)
