@@ -214,3 +214,20 @@ def test_grpo_through_the_endpoint(tmp_path, ranks, placement):
     rows = [r for r in metrics(str(tmp_path)) if "episode/turns" in r]
     assert len(rows) == 3 and all(r["reward/failures"] == 0 and r["episode/failed"] == 0 for r in rows)
     assert all(r["episode/stop/answer"] == 1 and r["train/logprob_gap_max"] < 1e-4 for r in rows)
+
+
+def test_a_failed_episode_has_no_reward_and_leaves_the_loss(tool):
+    """The scorer reads an episode's `failed`: its sample scores 0 and is failed (left out of its group
+    and of the loss by rollouts.py's keep), even where --rewards would have scored its text, and the
+    function's reward of a good episode is added."""
+    from roles.reward import RewardArgs, Scorer
+    from utils.logger import Timer
+
+    out = play(tool, "tests.helpers.agents:raiser", prompts=1, n=2)
+    good = play(tool, "tasks.agents:multiply_agent", prompts=1, n=2)
+    rows = tool[1][:1]
+    scorer = Scorer(RewardArgs(), None, None, tool[0].pad_id, "cpu", 96)
+    rewards, _, failed = scorer.score(rows, [0], out, None, 2, Timer(), {})
+    assert failed.tolist() == [True, True] and rewards.tolist() == [0.0, 0.0]
+    rewards, _, failed = scorer.score(rows, [0], good, None, 2, Timer(), {})
+    assert not failed.any()
