@@ -252,12 +252,15 @@ def completion_logprobs(model, batch, temperature: float, replay: bool = False):
     (the engine's experts, --routing-replay) in the forward of the policy whose samples they are."""
     P = batch["prompt_len"]
     targets = batch["input_ids"][:, P:]  # [N, T]
+    # replay: the routes [N or 1, L or S, layers, k] as the forward's keyword (a model without experts,
+    # Qwen2-VL's too, is never asked: its forward takes none)
     if "packed" in batch:  # token t's logits are made at the column before it (models/packing.py)
-        routes = batch["packed"].get("routes") if replay else None  # [1, S, layers, k]
+        routes = {"routes": batch["packed"].get("routes")} if replay else {}
         return model(**packed_inputs(batch, P - 1, P - 1 + targets.shape[1]), targets=targets,
-                     temperature=temperature, routes=routes)  # [N, T]
+                     temperature=temperature, **routes)  # [N, T]
+    routes = {"routes": batch.get("routes")} if replay else {}
     return model(batch["input_ids"], **model.batch_inputs(batch), logits_from=P - 1,
-                 targets=targets, temperature=temperature, routes=batch.get("routes") if replay else None)
+                 targets=targets, temperature=temperature, **routes)  # [N, T]
 
 
 def completion_values(model, batch):

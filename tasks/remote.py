@@ -45,7 +45,8 @@ class HttpReward:
         scores = got.get("rewards") if isinstance(got, dict) else got
         if not isinstance(scores, list) or len(scores) != len(completions):
             self.last_error = (f"{self.url} answered {str(got)[:120]!r}: the reward service must answer one "
-                               f"number per completion ({len(completions)}), a JSON list or {{\"rewards\": [...]}}")
+                               f"number per completion ({len(completions)}), a JSON list or "
+                               '{"rewards": [...]}')
             return [math.nan] * len(completions)
         out = []
         for v in scores:

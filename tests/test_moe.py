@@ -301,3 +301,20 @@ def test_replay_in_disaggregate_grpo_and_in_ppo(moe_dir, tmp_path, script, ranks
     assert len(rows) == 3 and all(r["train/moe_replayed"] > 0.5 for r in rows)
     assert all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
     assert all(abs(sum(r[f"train/moe_load/{e}"] for e in range(8)) - 1) < 1e-6 for r in rows)
+
+
+def test_the_tiny_moe_is_made_the_same_bytes_twice(tmp_path):
+    """python -m assets.make --moe (a few supervised steps): the same bytes each time, a Qwen3-MoE with
+    assets.make.TINY_MOE's experts."""
+    import subprocess
+    import sys
+
+    from launch import ROOT
+
+    from assets.make import TINY_MOE
+
+    for out in ("a", "b"):
+        cmd = [sys.executable, "-m", "assets.make", "--moe", "--sft-steps", "5", "--out", str(tmp_path / out)]
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True)
+    a, b = (open(tmp_path / out / "model.safetensors", "rb").read() for out in ("a", "b"))
+    assert a == b and read_config(str(tmp_path / "a")).moe == TINY_MOE

@@ -13,6 +13,12 @@ def client(base_url: str):
     return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=30)
 
 
+def ask(base_url: str, row: dict):
+    """One plain request with the row's prompt."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    return client(base_url).chat.completions.create(model="policy", messages=messages)
+
+
 def refused(call) -> str:
     """The message of the HTTP 400 the endpoint answers `call` with ('' if it did not refuse)."""
     try:
@@ -27,7 +33,8 @@ def probe(base_url: str, row: dict):
     c = client(base_url)
     messages = [{"role": "user", "content": row["prompt"]}]
     seen = SEEN.setdefault(row["prompt"], {})
-    seen["stream"] = refused(lambda: c.chat.completions.create(model="policy", messages=messages, stream=True))
+    seen["stream"] = refused(lambda: c.chat.completions.create(model="policy", messages=messages,
+                                                               stream=True))
     seen["model"] = refused(lambda: c.chat.completions.create(model="gpt-4o", messages=messages))
     seen["n"] = refused(lambda: c.chat.completions.create(model="policy", messages=messages, n=2))
     seen["temperature"] = refused(lambda: c.chat.completions.create(model="policy", messages=messages,
@@ -43,26 +50,26 @@ def rewriter(base_url: str, row: dict):
     c = client(base_url)
     messages = [{"role": "user", "content": row["prompt"]}]
     reply = c.chat.completions.create(model="policy", messages=messages)
-    rewritten = [{"role": "user", "content": row["prompt"] + " Think."}, reply.choices[0].message.model_dump(),
-                 {"role": "user", "content": "Again?"}]
+    rewritten = [{"role": "user", "content": row["prompt"] + " Think."},
+                 reply.choices[0].message.model_dump(), {"role": "user", "content": "Again?"}]
     SEEN.setdefault(row["prompt"], {})["rewrite"] = refused(
         lambda: c.chat.completions.create(model="policy", messages=rewritten))
     return 1.0
 
 
 def raiser(base_url: str, row: dict):
-    client(base_url).chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    ask(base_url, row)
     raise ValueError("the agent's own bug")
 
 
 def sleeper(base_url: str, row: dict):
-    client(base_url).chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    ask(base_url, row)
     time.sleep(3)
     return 1.0
 
 
 def wrong_type(base_url: str, row: dict):
-    client(base_url).chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    ask(base_url, row)
     return "1.0"
 
 
@@ -77,5 +84,6 @@ def chatty(base_url: str, row: dict):
     messages = [{"role": "user", "content": row["prompt"]}]
     for _ in range(5):
         reply = c.chat.completions.create(model="policy", messages=messages)
-        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More?"}]
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "More?"}]
     return 1.0
