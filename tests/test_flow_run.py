@@ -76,16 +76,18 @@ def test_resume_after_kill_9_is_exact(tmp_path):
     assert os.path.isfile(os.path.join(straight, "curves.png"))  # the curves and the samples
 
 
-def test_thirty_steps_raise_the_reward(tmp_path):
+def test_twenty_steps_raise_the_reward(tmp_path):
     """The default rewards (colour + compressibility) on a small batch: measured with the code of
-    commit 0bb74d1, the mean training reward of the first 5 steps 0.198, of the last 5 0.48 (the
-    threshold leaves room for another CPU's rounding and the noise of 16 images a step)."""
+    commit 0bb74d1, the mean training reward of the first 5 steps 0.198, of the last 5 0.48 over 30
+    steps; over the 20 this test runs (e393616, 2026-12-06), 0.233 -> 0.419, and 0.233 -> 0.420 with
+    ATEN_CPU_CAPABILITY=default (the threshold leaves room for another CPU's rounding and the noise of
+    16 images a step)."""
     run = str(tmp_path / "learn")
-    torchrun(2, "train_flow_grpo.py", "--steps", "30", "--prompts-per-step", "4", "--num-generations", "4",
+    torchrun(2, "train_flow_grpo.py", "--steps", "20", "--prompts-per-step", "4", "--num-generations", "4",
              "--train-steps", "6", "--eval-every", "0", "--no-save-final", "--run-dir", run, timeout=400)
     rewards = [r["rollout/reward"] for r in metrics(run) if not r.get("final")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert len(rewards) == 30 and last > first + 0.1, (first, last)
+    assert len(rewards) == 20 and last > first + 0.1, (first, last)
 
 
 @pytest.mark.parametrize("flags,says", [

@@ -264,7 +264,7 @@ def test_flags_that_need_or_refuse_experts(moe_dir, tmp_path):
 
 
 def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
-    """A MoE run with --routing-replay: 10 steps straight == a run killed (kill -9 of a rank) after its
+    """A MoE run with --routing-replay: 6 steps straight == a run killed (kill -9 of a rank) after its
     first checkpoint and resumed with --resume auto (the routes are made again with the samples, from
     the prompts' seeds: nothing of them is checkpointed)."""
     import sys
@@ -272,11 +272,12 @@ def test_kill_9_then_resume_is_exact_with_routing_replay(moe_dir, tmp_path):
     from test_checkpoint import FLAGS, same_run, start_and_kill_rank_1
     from test_train_grpo import metrics
 
-    flags = [*FLAGS, "--model", moe_dir, "--routing-replay"]
+    flags = [*FLAGS[:-4], "--steps", "6", "--save-every", "2", "--model", moe_dir, "--routing-replay"]
+    assert FLAGS[-4:] == ["--steps", "10", "--save-every", "2"]  # (test_checkpoint's, cut to 6 steps)
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     torchrun(2, "train_grpo.py", *flags, "--run-dir", straight)
     trained = [r for r in metrics(straight) if "train/moe_replayed" in r]
-    assert len(trained) == 10 and all(r["train/moe_replayed"] > 0.5 for r in trained)
+    assert len(trained) == 6 and all(r["train/moe_replayed"] > 0.5 for r in trained)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "train_grpo.py", *flags, "--run-dir", killed]
     p = start_and_kill_rank_1(cmd, killed, tmp_path / "killed.log")
