@@ -47,9 +47,10 @@ from typing import ClassVar
 
 import torch
 
-from engines.base import Engine, Samples
+from engines.base import Samples
 from engines.endpoint import Endpoint, answer_error, assistant_message, check_request, completion, same_turn
-from engines.episodes import AGENT_FAILED, check_template, template_delta, turn_seed
+from engines.episodes import (AGENT_FAILED, Wrapper, cap, check_template, episode_tensors, template_delta,
+                              turn_seed)
 from tasks.env import load
 from utils.errors import UserError, check_rules
 
@@ -139,9 +140,9 @@ class Episode:
     agent_tokens: int = 0
 
 
-class Agents(Engine):
-    """An engine that plays --agent episodes over its `Endpoint` (the module's docstring); the rest
-    of the engine interface goes to the wrapped engine. `starts`: the rows by their prompt ids."""
+class Agents(Wrapper):
+    """An engine that plays --agent episodes over its `Endpoint` (the module's docstring) around
+    `engine`. `starts`: the rows by their prompt ids."""
 
     def __init__(self, engine, cfg: AgentArgs, tok, rows: list[dict], max_new_tokens: int, max_prompt: int,
                  temperature: float, rank: int = 0):
@@ -156,19 +157,6 @@ class Agents(Engine):
         self.endpoint = Endpoint(self, cfg.agent_port + rank if cfg.agent_port else 0)
         self.pool = ThreadPoolExecutor(cfg.agent_concurrency, thread_name_prefix="agent")
         engine.keep_prefixes = True  # a turn extends the last turn's rows: it prefills the new tokens only
-
-    def __getattr__(self, name):  # load_weights, release, receive_weights, ...: the engine's
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
-
-    @property
-    def version(self):
-        return self.engine.version
-
-    @version.setter
-    def version(self, v):
-        self.engine.version = v
 
     def close(self):
         self.endpoint.stop()
@@ -312,14 +300,9 @@ class Agents(Engine):
 
     def _cap(self, e: Episode, message: dict) -> dict:
         """A message the agent added, cut to --agent-tool-tokens (counted)."""
-        content = message.get("content")
-        if not isinstance(content, str):
-            return message
-        ids = self.tok.encode(content, special=False)
-        if len(ids) <= self.cfg.agent_tool_tokens:
-            return message
-        e.cut += 1
-        return {**message, "content": self.tok.tok.decode(ids[:self.cfg.agent_tool_tokens]) + " ...(cut)"}
+        message, cut = cap(self.tok, message, self.cfg.agent_tool_tokens)
+        e.cut += cut
+        return message
 
     def _generate(self, pending: list, params):
         """One engine call for every queued request, then each answered in OpenAI's format."""
@@ -372,15 +355,8 @@ class Agents(Engine):
             e.stop = why
 
     def _samples(self, eps: list[Episode], prompts: list, n: int) -> Samples:
-        N, T = len(eps), max(1, max(len(e.mask) for e in eps))
-        tokens, logprobs = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T)
-        mask, versions = torch.zeros(N, T), torch.full((N, T), -1, dtype=torch.long)
-        for i, e in enumerate(eps):
-            L = len(e.mask)
-            if L:
-                tokens[i, :L] = torch.tensor(e.ids, dtype=torch.long)
-                logprobs[i, :L], mask[i, :L] = torch.tensor(e.logp), torch.tensor(e.mask, dtype=torch.float)
-                versions[i, :L] = torch.tensor(e.versions, dtype=torch.long)
+        tokens, logprobs, mask, versions, lengths = episode_tensors(
+            [(e.ids, e.logp, e.mask, e.versions) for e in eps])
         stats = {"turns": [e.turns for e in eps], "env_tokens": [e.agent_tokens for e in eps],
                  "env_reward": [e.reward for e in eps], "tool_calls": [e.tool_calls for e in eps],
                  "failed": [float(e.stop in FAILED) for e in eps],
@@ -389,7 +365,7 @@ class Agents(Engine):
             stats[f"stop/{why}"] = [float(e.stop == why) for e in eps]
         model_versions = [v for e in eps for v in e.versions if v >= 0]
         return Samples(
-            tokens, logprobs, torch.tensor([len(e.mask) for e in eps]),
+            tokens, logprobs, lengths,
             ["stop" if e.stop == "answer" else e.stop for e in eps], [e.answer for e in eps],
             min(model_versions) if model_versions else self.version, model_mask=mask, token_versions=versions,
             episode={k: torch.tensor(v, dtype=torch.float) for k, v in stats.items()},

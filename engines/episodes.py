@@ -180,20 +180,12 @@ class Episode:
     env_tokens: int = 0
 
 
-class Episodes(Engine):
-    """An engine that plays episodes (see the module's docstring); the rest of the engine
-    interface goes to the wrapped engine. `starts`: the rows by their prompt ids (the trainer
-    asks for prompts by ids; rows with the same prompt share their start)."""
+class Wrapper(Engine):
+    """What an engine that plays episodes around another shares (`Episodes`; engines/agents.py
+    `Agents`): the rest of the engine interface (load_weights, release, receive_weights, backend,
+    ...) and the policy version are the wrapped engine's, `self.engine`."""
 
-    def __init__(self, engine, cfg: EnvArgs, tok, rows: list[dict], max_new_tokens: int):
-        self.engine, self.cfg, self.tok, self.budget = engine, cfg, tok, max_new_tokens
-        self.make_env, self.tools, self.worker = cfg.make()
-        self.starts = {tuple(r["ids"]): r for r in rows}
-        self.eos = set(tok.eos_ids)
-        check_template(tok, self.tools)
-        engine.keep_prefixes = True  # a turn extends the last turn's rows: it prefills the new tokens only
-
-    def __getattr__(self, name):  # load_weights, release, receive_weights, backend, ...: the engine's
+    def __getattr__(self, name):
         if name == "engine":  # not set yet (during __init__ or a copy)
             raise AttributeError(name)
         return getattr(self.engine, name)
@@ -205,6 +197,45 @@ class Episodes(Engine):
     @version.setter
     def version(self, v):
         self.engine.version = v
+
+
+def cap(tok, message: dict, limit: int) -> tuple[dict, bool]:
+    """A message added to an episode (an environment's, an agent's) with its text cut to `limit`
+    tokens (" ...(cut)" marks it) -> (the message, whether it was cut)."""
+    ids = tok.encode(str(message.get("content", "")), special=False)
+    if len(ids) <= limit:
+        return message, False
+    return {**message, "content": tok.tok.decode(ids[:limit]) + " ...(cut)"}, True
+
+
+def episode_tensors(rows: list[tuple]) -> tuple:
+    """Each episode's (token ids, log-probs, mask, policy versions) after its prompt -> tokens,
+    logprobs, mask (1: the model's token), versions (-1: not the model's) [N, T], each row padded to
+    the longest (T >= 1), and the lengths [N]."""
+    N, T = len(rows), max(1, max(len(ids) for ids, _, _, _ in rows))
+    tokens, logprobs = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T)
+    mask, versions = torch.zeros(N, T), torch.full((N, T), -1, dtype=torch.long)
+    for i, (ids, logp, m, v) in enumerate(rows):
+        L = len(ids)
+        if L:
+            tokens[i, :L] = torch.tensor(ids, dtype=torch.long)
+            logprobs[i, :L], mask[i, :L] = torch.tensor(logp), torch.tensor(m, dtype=torch.float)
+            versions[i, :L] = torch.tensor(v, dtype=torch.long)
+    return tokens, logprobs, mask, versions, torch.tensor([len(ids) for ids, _, _, _ in rows])
+
+
+class Episodes(Wrapper):
+    """An engine that plays episodes (see the module's docstring) around `engine`. `starts`: the
+    rows by their prompt ids (the trainer asks for prompts by ids; rows with the same prompt share
+    their start)."""
+
+    def __init__(self, engine, cfg: EnvArgs, tok, rows: list[dict], max_new_tokens: int):
+        self.engine, self.cfg, self.tok, self.budget = engine, cfg, tok, max_new_tokens
+        self.make_env, self.tools, self.worker = cfg.make()
+        self.starts = {tuple(r["ids"]): r for r in rows}
+        self.eos = set(tok.eos_ids)
+        check_template(tok, self.tools)
+        engine.keep_prefixes = True  # a turn extends the last turn's rows: it prefills the new tokens only
 
     def close(self):
         if self.worker:
@@ -283,7 +314,7 @@ class Episodes(Engine):
         if e.turns == self.cfg.max_turns:
             e.stop = "max_turns"
             return
-        messages = [self._cap(e, m) for m in messages]
+        messages = [self._cap(e, m) for m in messages]  # each cut to --max-tool-tokens (counted)
         emitted = self.tok.tok.decode(ids, skip_special_tokens=False)
         new = template_delta(self.tok, e.history, text, emitted, messages, self.tools)
         if new is None:
@@ -300,22 +331,13 @@ class Episodes(Engine):
         e.env_tokens += len(new)
 
     def _cap(self, e: Episode, message: dict) -> dict:
-        """An environment message cut to --max-tool-tokens (counted)."""
-        ids = self.tok.encode(str(message.get("content", "")), special=False)
-        if len(ids) <= self.cfg.max_tool_tokens:
-            return message
-        e.cut += 1
-        return {**message, "content": self.tok.tok.decode(ids[:self.cfg.max_tool_tokens]) + " ...(cut)"}
+        message, cut = cap(self.tok, message, self.cfg.max_tool_tokens)
+        e.cut += cut
+        return message
 
     def _samples(self, eps: list[Episode]) -> Samples:
-        N, T = len(eps), max(1, max(len(e.mask) for e in eps))
-        tokens, logprobs = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T)
-        mask, versions = torch.zeros(N, T), torch.full((N, T), -1, dtype=torch.long)
-        for i, e in enumerate(eps):
-            L = len(e.mask)
-            tokens[i, :L] = torch.tensor(e.ids[e.prompt_len:], dtype=torch.long)
-            logprobs[i, :L], mask[i, :L] = torch.tensor(e.logp), torch.tensor(e.mask, dtype=torch.float)
-            versions[i, :L] = torch.tensor(e.versions, dtype=torch.long)
+        tokens, logprobs, mask, versions, lengths = episode_tensors(
+            [(e.ids[e.prompt_len:], e.logp, e.mask, e.versions) for e in eps])
         stats = {"turns": [e.turns for e in eps], "env_tokens": [e.env_tokens for e in eps],
                  "env_reward": [e.reward for e in eps],
                  "tool_calls": [tool_calls(e.env) for e in eps]}
@@ -328,7 +350,7 @@ class Episodes(Engine):
             stats[f"stop/{why}"] = [float(e.stop == why) for e in eps]
         model_versions = [v for e in eps for v in e.versions if v >= 0]
         return Samples(
-            tokens, logprobs, torch.tensor([len(e.mask) for e in eps]),
+            tokens, logprobs, lengths,
             ["stop" if e.stop == "answer" else e.stop for e in eps], [e.answer for e in eps],
             min(model_versions) if model_versions else self.version, model_mask=mask, token_versions=versions,
             episode={k: torch.tensor(v, dtype=torch.float) for k, v in stats.items()},
