@@ -108,27 +108,31 @@ class Recorder:
     def __init__(self, model, B0: int, N: int, T: int):
         cfg = model.config
         self.blocks = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if layer.sparse]
+        self.layers = torch.tensor([i for i, _ in self.blocks])  # the sparse layers' indices
         for _, block in self.blocks:
             block.record = []
         self.shape = (cfg.num_hidden_layers, cfg.moe.num_experts_per_tok)
         self.B0, self.prompt = B0, None
         self.completion = torch.full((N, T, *self.shape), -1, dtype=torch.int16)  # [N, T, layers, k]
 
+    def _take(self):
+        """The sparse blocks' records of the last forward, one copy to the CPU for all of them (not one
+        device sync per layer) -> [..., sparse layers, k] int16."""
+        return torch.stack([block.record.pop() for _, block in self.blocks], -2).to("cpu", torch.int16)
+
     def prefill(self, P: int):
         """After the prefill of the left-padded prompts [B0, P] (its last S columns prefilled)."""
         self.prompt = torch.full((self.B0, P, *self.shape), -1, dtype=torch.int16)  # [B0, P, layers, k]
-        for i, block in self.blocks:
-            got = block.record.pop()  # [B0, S, k]
-            self.prompt[:, P - got.shape[1]:, i] = got.to("cpu", torch.int16)
+        got = self._take()  # [B0, S, sparse layers, k]
+        self.prompt[:, P - got.shape[1]:, self.layers] = got
 
     def step(self, rows, t: int, going):
         """After the decode step that fed completion token t of samples `rows` [r]; going [r]: the rows
         not finished. A finished row still in the batch is fed too, its own slot masked (engines/native.py):
         what its token's experts would be is not recorded."""
         live = going.cpu()
-        for i, block in self.blocks:
-            got = block.record.pop().cpu()  # [r, k]
-            self.completion[rows.cpu()[live], t, i] = got[live].to(torch.int16)
+        got = self._take()  # [r, sparse layers, k]
+        self.completion[rows.cpu()[live][:, None], t, self.layers[None, :]] = got[live]  # [r', layers, k]
 
     def finish(self, prompts: list, n: int, lengths) -> list:
         for _, block in self.blocks:
