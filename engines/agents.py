@@ -9,7 +9,7 @@ engine. For every sample it is asked for, `Agents.generate` calls the user's fun
         client = openai.OpenAI(base_url=base_url, api_key="none")   # base_url names this episode
         reply = client.chat.completions.create(model="policy", messages=[...], tools=[...])
         ...                                                          # any agent code, any turns
-        return None      # or the episode's reward (None: --rewards scores the last answer)
+        return None      # or the episode's reward (added to --rewards', which score the last answer)
 
 and plays every request of the episode token in, token out, as engines/episodes.py plays an
 environment's turns: the first request's messages rendered with the chat template are the
@@ -131,6 +131,7 @@ class Episode:
     turns: int = 0
     answer: str = ""  # the model's last turn, as text
     last: dict | None = None  # the last assistant message the agent was answered with
+    last_reply: dict | None = None  # the whole answer to the last request (a retry gets it again)
     answer_raw: str = ""  # the same with its special tokens, without its end of turn (template_delta's text)
     last_ids: list = field(default_factory=list)  # the model's last turn's ids, as sampled
     reward: float = 0.0
@@ -220,6 +221,10 @@ class Agents(Wrapper):
             if pending and (not busy or now - last >= wait or now - first >= 20 * wait):
                 self._generate(pending, params)
                 pending, first, last = [], None, None
+        while not self.inbox.empty():  # what came after the last episode ended: answered, not left waiting
+            item = self.inbox.get()
+            if item[0] != "done":
+                answer_error(item[2], 410, "this episode is over")
 
     def _take(self, item, pending: list) -> bool:
         """One inbox item: an episode's end, or a request (checked, rendered, queued). -> queued?"""
@@ -236,13 +241,25 @@ class Agents(Wrapper):
             else:
                 e.reward = float(got or 0.0)
                 self._end(e, e.stop or "answer")
+            pending[:] = self._refuse(pending, e, "this episode's function has returned")
             return False
         key, body, future = item
         e = self.live.get(key)
-        if e is None or e.state == "done" or e.stop in FAILED:
+        if e is None or e.state == "done" or e.stop is not None:
             answer_error(future, 410, "this episode is over (it ended, failed or ran out of its budget)")
             return False
-        error, status = self._add_messages(e, body)
+        if e.state == "waiting":  # a retry, or requests in parallel: one turn at a time
+            answer_error(future, 409, "a request of this episode is already waiting for the model: an "
+                                      "episode is one chat, one turn at a time")
+            return False
+        if e.turns and body.get("messages") == e.sent and (body.get("tools") or None) == e.tools:
+            future.set_result((200, e.last_reply))  # the last request again (a client's retry): its answer
+            return False
+        try:
+            error, status = self._add_messages(e, body)
+        except Exception as x:  # noqa: BLE001 (what the template cannot render: the episode's, not the run's)
+            e.stop = "refused"
+            error, status = f"the messages cannot be rendered ({type(x).__name__}: {x})", 400
         if error:
             answer_error(future, status, error)
             if e.stop is not None:
@@ -336,7 +353,9 @@ class Agents(Wrapper):
             context = len(e.prompt) + len(e.ids) - len(ids)
             key = f"{e.key[:12]}-{e.turns}"
             reply = completion(key, self.cfg.agent_model, message, reason, context, len(ids))
-            future.set_result((200, reply))
+            e.last_reply = reply
+            if not future.done():  # (a request whose connection was dropped is cancelled)
+                future.set_result((200, reply))
             if len(e.mask) >= self.budget:
                 e.stop = "length"
 

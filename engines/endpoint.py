@@ -32,6 +32,12 @@ def check_request(body: dict, model: str, temperature: float) -> str | None:
     if body.get("n", 1) != 1:
         return "n must be 1: each episode is one sample"
     t = body.get("temperature")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+        return "temperature must be a number"
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            return f"{key} must be a positive integer"
     if t is not None and abs(float(t) - temperature) > 1e-9:
         return (f"temperature {t} is not the run's --temperature {temperature}: the trainer's log-probs are "
                 "at the run's temperature; leave it out")
@@ -122,13 +128,16 @@ class Endpoint:
             raise UserError(f"--agent-port {port}: {e.strerror} on 127.0.0.1; pick another port, or 0 (any "
                             "free port)") from None
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="agent-endpoint")
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.01)
+        if not self.server.started:
+            raise UserError(f"--agent: the endpoint on {self.url} did not start within 10 s")
 
     def stop(self):
         self.server.should_exit = True

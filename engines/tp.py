@@ -135,7 +135,9 @@ def check_args(args, world: int):
     refused = [("LoRA", args.lora.lora_rank > 0, "the adapters are not split; drop --lora-rank or --gen-tp"),
                ("a vision-language --model", cfg.vision is not None, "its vision tower is not split"),
                ("--env / --tools", env is not None and (env.env or env.tools),
-                "episodes take turns per rank, not in lockstep")]
+                "episodes take turns per rank, not in lockstep"),
+               ("--agent", getattr(getattr(args, "agent", None), "agent", None) is not None,
+                "agents' requests come to each rank's engine at their own times, not in lockstep")]
     for what, holds, why in refused:
         if holds:
             raise UserError(f"--gen-tp {k} with {what}: {why} (or drop --gen-tp)")

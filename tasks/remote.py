@@ -14,6 +14,7 @@ it as failed: 0, counted in reward/failures and left out of its group and the lo
 `module:function` term that raises (the run goes on; `last_error` says why). Standard library only
 (urllib): no client to install for it.
 """
+import http.client
 import json
 import math
 import time
@@ -32,6 +33,7 @@ class HttpReward:
         self.__name__ = url  # what the reward's messages call it
 
     def __call__(self, prompts, completions, **columns) -> list[float]:
+        self.last_error = None
         body = json.dumps({"prompts": list(prompts), "completions": list(completions),
                            **{k: list(v) for k, v in columns.items()}}, default=str).encode()
         for attempt in range(self.retries + 1):
@@ -66,7 +68,7 @@ class HttpReward:
         except urllib.error.HTTPError as e:
             self.last_error = f"{self.url} answered HTTP {e.code} {e.reason}"
             return None, e.code in RETRIED
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             self.last_error = f"{self.url} could not be reached ({type(reason).__name__}: {reason})"
             return None, True

@@ -103,7 +103,7 @@ def test_episodes_are_the_in_process_environments_token_for_token(tool):
 
 
 @pytest.mark.parametrize("agent,stop", [("rewriter", "rewrite"), ("raiser", "raised"), ("sleeper", "timeout"),
-                                        ("wrong_type", "bad_return")])
+                                        ("wrong_type", "bad_return"), ("unrenderable", "refused")])
 def test_a_failing_agent_fails_its_episode_not_the_run(tool, agent, stop):
     """A rewritten history (refused: a branch would be a second sample of the row), a function that
     raises, one that runs past --agent-timeout-s, one that returns no number: each episode fails by
@@ -117,6 +117,18 @@ def test_a_failing_agent_fails_its_episode_not_the_run(tool, agent, stop):
     assert out.finish_reasons == [stop] * 4
     if agent == "rewriter":
         assert all("do not extend this episode" in s["rewrite"] for s in helpers.SEEN.values())
+    if agent == "unrenderable":
+        assert all("cannot be rendered" in s["parts"] for s in helpers.SEEN.values())
+
+
+def test_two_requests_of_one_episode_at_once_one_is_refused(tool):
+    """An episode is one chat: a second request while one waits for the model gets HTTP 409, and the
+    same request after its answer (a client's retry) gets that answer again; the episode has one turn
+    and is trained."""
+    helpers.SEEN.clear()
+    out = play(tool, "tests.helpers.agents:twice", prompts=2, n=1)
+    assert all(set(s["twice"]) <= {"409", "stop", "length"} for s in helpers.SEEN.values())
+    assert (out.episode["failed"] == 0).all() and (out.episode["turns"] == 1).all()
 
 
 def test_budgets_end_an_episode_by_their_cause_and_it_is_trained(tool):

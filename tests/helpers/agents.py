@@ -87,3 +87,26 @@ def chatty(base_url: str, row: dict):
         messages += [reply.choices[0].message.model_dump(exclude_none=True),
                      {"role": "user", "content": "More?"}]
     return 1.0
+
+
+def unrenderable(base_url: str, row: dict):
+    """Content as a list of parts, which this chat template cannot render: refused, the episode fails."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": row["prompt"]}]}]
+    SEEN.setdefault(row["prompt"], {})["parts"] = refused(
+        lambda: client(base_url).chat.completions.create(model="policy", messages=messages))
+    return 1.0
+
+
+def twice(base_url: str, row: dict):
+    """Two requests of one episode at once: one is answered; the other is refused (409) while the first
+    waits for the model, or gets the same answer after it (a retry); the episode goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one():
+        try:
+            return ask(base_url, row).choices[0].finish_reason
+        except openai.APIStatusError as e:
+            return e.status_code
+    with ThreadPoolExecutor(2) as pool:
+        SEEN.setdefault(row["prompt"], {})["twice"] = sorted(map(str, pool.map(lambda _: one(), range(2))))
+    return 1.0
