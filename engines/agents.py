@@ -169,9 +169,7 @@ class Agents(Wrapper):
             return Samples.empty(self.version)
         eps = []
         for p, seed in zip(prompts, seeds):
-            row = self.starts.get(tuple(p))
-            if row is None:
-                raise RuntimeError("Agents.generate: a prompt that no row of this run starts")
+            row = self.row(p)
             for j in range(params.n):
                 e = Episode(uuid.uuid4().hex, row, seed, j, time.monotonic())
                 self.live[e.key] = e

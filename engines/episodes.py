@@ -198,6 +198,14 @@ class Wrapper(Engine):
     def version(self, v):
         self.engine.version = v
 
+    def row(self, prompt: list[int]) -> dict:
+        """The run's row that `prompt` (its ids) starts, from `self.starts`."""
+        row = self.starts.get(tuple(prompt))
+        if row is None:
+            raise RuntimeError(f"{type(self).__name__}.generate: a prompt that no row of this run starts "
+                               "(the engine was built with other rows)")
+        return row
+
 
 def cap(tok, message: dict, limit: int) -> tuple[dict, bool]:
     """A message added to an episode (an environment's, an agent's) with its text cut to `limit`
@@ -247,10 +255,7 @@ class Episodes(Wrapper):
             return Samples.empty(self.version)
         eps = []
         for p, seed in zip(prompts, seeds):
-            row = self.starts.get(tuple(p))
-            if row is None:
-                raise RuntimeError("Episodes.generate: a prompt that no row of this run starts (the engine "
-                                   "was built with other rows)")
+            row = self.row(p)
             for j in range(params.n):
                 env = self.make_env()
                 history = self._call(env, "reset", row)

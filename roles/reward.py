@@ -33,7 +33,7 @@ from rl import algos
 from roles import reward_model
 from roles.judge import judge_chunk
 from tasks.data import dataset_columns, make_batch, per_sample
-from tasks.remote import HttpReward
+from tasks.remote import HttpReward, is_service
 from tasks.rewards import REWARDS
 from utils.callables import check_reward
 from utils.errors import UserError, check_rules
@@ -45,7 +45,7 @@ def resolve(name: str, timeout_s: float = 60.0, retries: int = 2):
     'module:function' imported."""
     if name in REWARDS:
         return REWARDS[name]
-    if name.startswith(("http://", "https://")):  # each try gets its share of the call's time limit
+    if is_service(name):  # each try gets its share of the call's time limit
         return HttpReward(name, 0.9 * timeout_s / (retries + 1), retries)
     if ":" not in name:
         raise UserError(f"reward {name!r}: use one of {sorted(REWARDS)} or 'module:function'")
@@ -76,7 +76,7 @@ class RewardArgs:
     code_memory_mb: int = 512
     """--rewards code: the code reward's memory limit per completion"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
-        "reward_retries": ("rewards", lambda terms: any(t.startswith(("http://", "https://")) for t in terms),
+        "reward_retries": ("rewards", lambda terms: any(map(is_service, terms)),
                            "an http:// term of --rewards"),
         "code_timeout_s": ("rewards", lambda terms: "code" in terms, "the `code` term of --rewards"),
         "code_memory_mb": ("rewards", lambda terms: "code" in terms, "the `code` term of --rewards")}
@@ -110,8 +110,8 @@ class RewardArgs:
                             f"other --rewards")
         columns = [*dataset_columns(rows[:1], 1), "finish_reason"]  # what Scorer.score passes
         for name in self.rewards:
-            served = name.startswith(("http://", "https://"))  # a reward service: no function to check
-            if name not in REWARDS and name not in ("rm", "judge") and not served:
+            # (a reward service's URL has no function to check)
+            if name not in REWARDS and name not in ("rm", "judge") and not is_service(name):
                 check_reward(resolve(name), name, columns)
 
 

@@ -24,6 +24,11 @@ import urllib.request
 RETRIED = (429, 500, 502, 503, 504)
 
 
+def is_service(term: str) -> bool:
+    """Whether a --rewards term names a reward service (its URL) rather than a function."""
+    return term.startswith(("http://", "https://"))
+
+
 class HttpReward:
     """A --rewards term that is a URL: called as fn(prompts, completions, **columns) -> scores."""
 
