@@ -5,6 +5,8 @@ called once a step (`step`, which `make`s the step's RolloutResult and then rele
                      at --max-staleness 0 (its rollout rank, behind the same engine methods)
     Ahead            disaggregate at --max-staleness S >= 1: the prompts of up to S steps ahead go
                      out too, so the rollout ranks generate while this rank trains
+    Streaming        disaggregate with --stream: the same prompts go to the rollout ranks' pools,
+                     which stream each group back as it ends and take new weights in flight
     Streamed         partial: the sampler ranks generate and stream finished chunks to the judge
                      ranks, which judge them meanwhile (both halves and their messages are here)
     DynamicSampling  wraps one of those: DAPO's dynamic sampling in G-Core's waves
@@ -14,6 +16,7 @@ Every rank is the controller of its own prompts: it generates and scores them it
 gathers the batch. The rewards come from roles/reward.py `Scorer`.
 """
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -24,8 +27,10 @@ from engines.base import Samples
 from engines.decode import SamplingParams
 from rl import algos
 from roles.judge import judge_chunk
+from roles.rollout import Start
+from roles.stream import SNAPSHOT
 from tasks.data import PromptStream, prompt_seed, step_prompts
-from utils import dist
+from utils import checkpoint, dist
 from utils.errors import check_rules
 
 MAX = torch.distributed.ReduceOp.MAX
@@ -52,9 +57,11 @@ class DynamicSamplingArgs:
 
     def check(self, args):
         check_rules(self, [
-            ("dynamic_sampling", not self.dynamic_sampling or args.placement.max_staleness == 0,
-             f"it decides each refill from the last wave's rewards, so it runs on-policy, and "
-             f"--max-staleness {args.placement.max_staleness} lets rollouts lag: drop one of the two"),
+            ("dynamic_sampling", not self.dynamic_sampling or args.placement.max_staleness == 0
+             or args.stream.stream,
+             f"it decides each refill from the last wave's rewards, so it waits for each wave, and "
+             f"--max-staleness {args.placement.max_staleness} sends the steps ahead: add --stream (a wave "
+             f"then goes into the rollout ranks' running pool) or drop one of the two"),
             ("dynamic_sampling", not self.dynamic_sampling or args.advantage in GROUP_BASELINES,
              f"it drops groups whose rewards are all equal, which carry no signal only under a group "
              f"baseline (grpo, rloo, reinforce++_baseline), not --advantage {args.advantage}: drop one of "
@@ -110,8 +117,8 @@ class OnPolicy:
         scores = self.scorer.score(rows, seeds, out, judged, self.n, timer, tally)  # [N], {term: [N]}, [N]
         return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
 
-    def generate(self, rows, seeds, timer, tally):
-        """(Samples, judge scores or None: the scorer judges them)."""
+    def generate(self, rows, seeds, timer, tally, step: int = 0, wave: int = 0):
+        """(Samples, judge scores or None: the scorer judges them). step, wave: which (a stream's key)."""
         with timer("generate"):
             return self.engine.generate([r["ids"] for r in rows], self.sampling, seeds), None
 
@@ -156,6 +163,52 @@ class Ahead(OnPolicy):
         return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
 
 
+class Streaming(OnPolicy):
+    """disaggregate, --stream: the prompts of the steps up to --max-staleness ahead go to the rollout
+    rank's pool (roles/stream.py), which streams each group back as it ends; a step takes its own
+    groups once they are all in. Its tokens carry their versions (Samples.token_versions); a
+    checkpoint is complete once every rollout rank has written what it had in flight into it."""
+
+    def __init__(self, engine, scorer, rows, args, plan, resumed: dict):
+        super().__init__(engine, scorer, rows, args, plan)
+        self.submitted = resumed.get("step", 0)  # the next step whose prompts go out
+        self.held = {}  # step -> (this rank's rows, seeds) sent, not yet trained
+        done = resumed.get("step", 0)
+        snapshot = None
+        if done:
+            snapshot = os.path.join(checkpoint.checkpoint_dir(args.run_args.run_dir, done),
+                                    SNAPSHOT.format(rank=plan.rollout_peer))
+        engine.start_stream(Start(
+            self.sampling, args.placement.max_staleness, args.steps, args.prompts_per_step // plan.dp,
+            max(len(r["ids"]) for r in rows) + args.sampling.max_new_tokens, args.stream.stream_rows,
+            args.stream.partial_rollout_drop, args.run_args.run_dir, snapshot, done))
+
+    def make(self, step: int, timer, tally) -> RolloutResult:
+        args = self.args
+        with timer("generate"):
+            while self.submitted <= min(step + args.placement.max_staleness, args.steps - 1):
+                ahead, seeds = step_prompts(self.rows, self.submitted, args.prompts_per_step,
+                                            args.run_args.seed, self.plan.rank, self.plan.dp)
+                self.engine.submit_groups(self.submitted, 0, [r["ids"] for r in ahead], seeds)
+                self.held[self.submitted] = ahead, seeds
+                self.submitted += 1
+            rows, seeds = self.held.pop(step)
+            out = self.engine.take_groups(step, 0, len(rows))
+        scores = self.scorer.score(rows, seeds, out, None, self.n, timer, tally)
+        return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
+
+    def generate(self, rows, seeds, timer, tally, step: int = 0, wave: int = 0):
+        """--dynamic-sampling's waves: each one sent, then its groups awaited."""
+        with timer("generate"):
+            self.engine.submit_groups(step, wave, [r["ids"] for r in rows], seeds)
+            return self.engine.take_groups(step, wave, len(rows)), None
+
+    def saved(self) -> tuple[dict, dict]:
+        """The checkpoint awaits each rollout rank's snapshot (utils/checkpoint.py is_complete)."""
+        ranks = range(self.plan.layout.dp, self.plan.layout.world)
+        return {"awaits": [SNAPSHOT.format(rank=r) for r in ranks]}, {}
+
+
 class Streamed(OnPolicy):
     """partial: this rank's samples of its own prompts, and their judge scores, made on the way:
     the sampler ranks generate while the judge ranks judge finished chunks (`sample_and_stream`
@@ -165,7 +218,7 @@ class Streamed(OnPolicy):
         super().__init__(engine, scorer, rows, args, plan)
         self.judge = judge  # only the judge ranks hold it
 
-    def generate(self, rows, seeds, timer, tally):
+    def generate(self, rows, seeds, timer, tally, step: int = 0, wave: int = 0):
         with timer("generate"):
             if self.plan.is_sampler:
                 out, judged, busy = sample_and_stream(self.plan, self.engine, rows, seeds, self.sampling,
@@ -216,7 +269,7 @@ class DynamicSampling:
             wave_rows = [inner.rows[i] for i in picked]
             seeds = [prompt_seed(args.run_args.seed, step, plan.rank + i * plan.dp, wave)
                      for i in range(len(picked))]
-            out, judged = inner.generate(wave_rows, seeds, timer, tally)
+            out, judged = inner.generate(wave_rows, seeds, timer, tally, step, wave)
             waves += 1
             # this rank's share is full: it only took part (a remote engine expects every rank)
             if not picked:
@@ -295,6 +348,8 @@ def choose(engine, scorer, rows: list[dict], args, plan, judge, resumed: dict):
     --advantage remax when asked (check_args refuses the combinations that cannot work)."""
     if plan.mode == "partial":
         rollout = Streamed(engine, scorer, rows, args, plan, judge)
+    elif args.stream.stream:
+        rollout = Streaming(engine, scorer, rows, args, plan, resumed)
     elif args.placement.max_staleness:
         rollout = Ahead(engine, scorer, rows, args, plan)
     else:

@@ -22,6 +22,7 @@ from engines.base import Samples
 from engines.decode import SamplingParams
 from engines.episodes import EnvArgs
 from engines.make import make_engine
+from engines.native import NativeEngine
 from flags import DataArgs
 from models import lora, moe
 from models.hf import read_config
@@ -32,7 +33,8 @@ from roles.actor import Actor, export_hf
 from roles.reference import Reference
 from roles.reward import Reward
 from roles.reward_model import RewardModel
-from roles.rollout import serve
+from roles import stream
+from roles.rollout import Start, leave, serve
 from roles.teacher import Teacher
 from rollouts import RolloutResult
 from tasks.data import eval_source, load_rows, micro_batches, prompt_seed
@@ -123,6 +125,12 @@ def run_rollout_rank(plan, local_engine, arrival=None):
     if plan.rank == plan.dp:  # the first rollout rank
         print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
     moving = serve(plan, engine)
+    if isinstance(moving, Start):  # --stream: its own loop, to the end of the run
+        if not isinstance(engine, NativeEngine):
+            leave(engine, f"rollout rank {plan.rank}: --stream needs the native engine, and this rank has "
+                          f"{type(engine).__name__}: use --engine native")
+        stream.serve(plan, engine, moving)
+        moving = None
     if moving is None:
         engine.close()
         dist.exit_now(0)

@@ -38,6 +38,7 @@ from rl import algos
 from rl.mismatch import Correction, MismatchArgs
 from roles import judge as judge_role
 from roles.reward import OverlongArgs, RewardArgs, Scorer
+from roles.stream import StreamArgs
 from roles.teacher import DistillArgs
 from rollouts import DynamicSamplingArgs
 from flags import ComputeArgs, DataArgs, Flat, RunArgs, SamplingArgs
@@ -120,6 +121,7 @@ class Args:
     lora: Flat[LoraArgs] = field(default_factory=LoraArgs)
     moe: Flat[MoeArgs] = field(default_factory=MoeArgs)
     placement: Flat[PlacementArgs] = field(default_factory=PlacementArgs)
+    stream: Flat[StreamArgs] = field(default_factory=StreamArgs)
     rebalance: Flat[RebalanceArgs] = field(default_factory=RebalanceArgs)
     run_args: Flat[RunArgs] = field(default_factory=RunArgs)
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
@@ -149,6 +151,7 @@ def check_args(args: Args, world: int):
     layout = flags.check_flags(args, world)  # what GRPO and PPO share; the layout: rollout ranks, staleness
     args.overlong.check(args.sampling.max_new_tokens)
     args.dynamic_sampling.check(args)
+    args.stream.check(args)
     args.mismatch.check()
     args.rebalance.check(args, world, layout)
     # the checkpoints last: hub ids become their snapshots (computed at runtime); a vision-language

@@ -47,11 +47,17 @@ def uniforms(row_keys, t):
     return (h.double() + 0.5) / 2.0 ** 32
 
 
-def sample_uniforms(seeds: list[int], n: int, T: int, device):
-    """The uniforms of n samples per prompt seed, prompt-major, for decode positions 0..T-1 -> [N, T]."""
+def row_keys(seeds: list[int], n: int, device):
+    """The keys of n samples per prompt seed, prompt-major -> [N]: sample j of a prompt draws
+    `uniforms(key, t)` at decode position t, in whatever batch or row it is generated."""
     keys = torch.tensor([s * 7919 + j for s in seeds for j in range(n)], dtype=torch.long,
                         device=device)  # [N]
-    return uniforms(_mix32(keys & M32)[:, None], torch.arange(T, device=device)[None])  # [N, T]
+    return _mix32(keys & M32)
+
+
+def sample_uniforms(seeds: list[int], n: int, T: int, device):
+    """The uniforms of n samples per prompt seed, prompt-major, for decode positions 0..T-1 -> [N, T]."""
+    return uniforms(row_keys(seeds, n, device)[:, None], torch.arange(T, device=device)[None])  # [N, T]
 
 
 TOP_P_FIRST = 1024

@@ -45,6 +45,32 @@ class Stop:
 
 
 @dataclass
+class Submit:
+    """--stream: this trainer's prompts of (step, wave), n samples each; each group is answered on
+    its own, as it ends: {"group": (step, wave, index), "samples", "stats"}."""
+    step: int
+    wave: int
+    prompts: list[list[int]]
+    seeds: list[int]
+
+
+@dataclass
+class Start:
+    """--stream, once, before the first weights: the rollout rank leaves `serve` for roles/stream.py's
+    loop, whose pool this sets up."""
+    params: SamplingParams
+    max_staleness: int  # K: the groups of step j are admitted under version j - K
+    steps: int  # the run's steps: none after them is coming
+    step_prompts: int  # prompts per step of each trainer
+    context: int  # the longest prompt plus max_new_tokens
+    rows: int  # --stream-rows (0: one step's samples of its trainers)
+    drop: bool  # --partial-rollout-drop
+    run_dir: str  # where the trainers' checkpoints are, to save what is in flight into them
+    snapshot: str | None = None  # a resumed run: what was in flight at the checkpoint's version
+    resumed: int = 0  # that version (the steps done)
+
+
+@dataclass
 class Move:
     """--rebalance, in process: the ranks move to `layout` (a placement.Layout); `serve` returns it."""
     layout: object
@@ -77,6 +103,8 @@ class RemoteEngine:
         self.takes_adapters = False  # LoRA: the rollout ranks take adapters alone (agree_on_transfer)
         self.has_base = False  # LoRA: the rollout ranks hold the base weights, adapters alone may follow
         self.moved = False  # the ranks moved to another layout: this handle says nothing more
+        self.streaming = False  # --stream: groups come as they end (`start_stream`)
+        self.groups = {}  # --stream: (step, wave) -> {index: Samples} received, not yet taken
 
     def _fail(self, e, doing):
         return RuntimeError(f"rollout rank {self.peer} stopped answering while {doing}: it died or hung "
@@ -85,7 +113,11 @@ class RemoteEngine:
 
     def _send(self, msg, ticket=None):
         try:
-            self.sent.append((ticket, dist.isend_obj(msg, self.peer, self.plan.request_group)))
+            handles = dist.isend_obj(msg, self.peer, self.plan.request_group)
+            if self.streaming:  # a streaming rollout rank listens all the time: nothing stays in flight
+                dist.wait_all(handles)
+            else:
+                self.sent.append((ticket, handles))
         except RuntimeError as e:
             raise self._fail(e, f"taking a {type(msg).__name__} message") from e
 
@@ -120,6 +152,8 @@ class RemoteEngine:
         return ticket
 
     def result(self, ticket: int) -> Samples:
+        while self.streaming and ticket not in self.done:  # one request at a time, between groups
+            self.done[ticket] = self._reply()["samples"]
         while ticket not in self.done:  # replies come in request order
             try:
                 reply = dist.recv_obj(self.peer)
@@ -134,8 +168,45 @@ class RemoteEngine:
                     break
         return self.done.pop(ticket)
 
+    # ---- --stream (roles/stream.py): prompts go out ahead, groups come back as they end
+    def start_stream(self, start: Start):
+        self._send(start)
+        self.streaming = True
+
+    def submit_groups(self, step: int, wave: int, prompts: list, seeds: list):
+        self._send(Submit(step, wave, prompts, seeds))
+
+    def take_groups(self, step: int, wave: int, count: int) -> Samples:
+        """The `count` groups of (step, wave), in prompt order, once all have come."""
+        while len(self.groups.get((step, wave), ())) < count:
+            self._receive()
+        got = self.groups.pop((step, wave), {})
+        return Samples.cat([got[i] for i in range(count)]) if count else Samples.empty(self.version)
+
+    def _reply(self) -> dict:
+        """The next message that is not a group (the groups before it are kept)."""
+        reply = None
+        while reply is None:
+            reply = self._receive()
+        return reply
+
+    def _receive(self) -> dict | None:
+        """One message: a group is kept (None), anything else returned."""
+        try:
+            reply = dist.recv_obj(self.peer)
+        except RuntimeError as e:
+            raise self._fail(e, "generating") from e
+        self.stats = reply["stats"]
+        if "group" not in reply:
+            return reply
+        step, wave, index = reply["group"]
+        self.groups.setdefault((step, wave), {})[index] = reply["samples"]
+        return None
+
     def collect(self):
         """Receive every reply still due (kept for `result`)."""
+        if self.streaming:
+            return  # groups keep coming: weights go out without waiting for them
         pending = [t for t, _ in self.sent if t is not None]
         if pending:
             self.done[pending[-1]] = self.result(pending[-1])
@@ -190,7 +261,8 @@ def serve(plan, engine):
       Generate: one batch per trainer (the batches a colocated engine would see), each
         answered to its trainer as soon as it is done: {"samples": Samples, "stats": seconds};
       Stop: leaves the loop (after a checkpoint: SIGTERM is ignored here, the trainers save
-        first and then send Stop); Move: leaves it too, returning the Move (else None).
+        first and then send Stop); Move: leaves it too, returning the Move (else None); Start
+        (--stream): returns it, for roles/stream.py's loop.
     Produces: samples tagged with the policy version that made them, and its running seconds
       busy / sync / idle, which the trainers turn into placement metrics."""
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches every rank: the trainers stop this one
@@ -212,7 +284,7 @@ def serve(plan, engine):
             raise RuntimeError(f"trainers {plan.served} sent different messages {kinds}: they must run the "
                                "same loop")
         msg = msgs[0]
-        if isinstance(msg, (Stop, Move)):
+        if isinstance(msg, (Stop, Move, Start)):
             break
         t = time.perf_counter()
         if isinstance(msg, Weights):
@@ -231,7 +303,7 @@ def serve(plan, engine):
             t = time.perf_counter()
             sent += dist.isend_obj({"samples": out, "stats": dict(stats)}, trainer)
     dist.wait_all(sent)
-    return msg if isinstance(msg, Move) else None
+    return msg if isinstance(msg, (Move, Start)) else None
 
 
 def leave(engine, why: str):
@@ -253,6 +325,15 @@ def receive(plan, engine, msg: Weights, bufs: dict):
         engine.load_adapters(weights, msg.adapters)
     else:
         engine.load_weights(weights)
+
+
+def receive_staged(plan, msg: Weights, bufs: dict) -> list:
+    """--stream: one update from trainer 0's broadcast, copied out of the bucket buffers, to go into
+    the engine later: [(hf_name, tensor)]."""
+    buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
+    shapes = {name: shape for name, shape, _ in msg.specs}
+    return [(name, t.clone()) for name, t in dist.receive_buckets(buckets, shapes, 0, plan.weight_group,
+                                                                   plan.device, bufs)]
 
 
 def agree_on_transfer(plan, engine, specs, bucket_bytes: int):

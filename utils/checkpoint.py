@@ -63,6 +63,11 @@ def _dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
+def checkpoint_dir(run_dir: str, step: int) -> str:
+    """Where the checkpoint after `step` steps is (or would be)."""
+    return os.path.join(_dir(run_dir), f"{PREFIX}{step:08d}")
+
+
 def find(run_dir: str) -> tuple[str | None, list[str]]:
     """(newest complete checkpoint or None, partial ones that will be ignored)."""
     root = _dir(run_dir)
@@ -71,8 +76,7 @@ def find(run_dir: str) -> tuple[str | None, list[str]]:
     complete, partial = [], []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if (name.startswith(PREFIX) and not name.endswith(".tmp")
-                and os.path.isfile(os.path.join(path, "meta.json"))):
+        if name.startswith(PREFIX) and not name.endswith(".tmp") and is_complete(path):
             complete.append(path)
         elif name.startswith(PREFIX):
             partial.append(path)
@@ -97,8 +101,15 @@ def newest_said(run_dir: str) -> str:
 
 
 def is_complete(path: str) -> bool:
-    """A checkpoint directory that was written to the end (meta.json is written last)."""
-    return os.path.isfile(os.path.join(path, "meta.json"))
+    """A checkpoint directory that was written to the end (meta.json is written last), with the
+    files meta.json awaits from other ranks (--stream: each rollout rank's work in flight, written
+    when it takes this checkpoint's version: roles/stream.py)."""
+    meta = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta):
+        return False
+    with open(meta) as f:
+        awaits = json.load(f).get("awaits", [])
+    return all(os.path.isfile(os.path.join(path, name)) for name in awaits)
 
 
 def state(actor, critic=None) -> dict:
@@ -120,7 +131,7 @@ def save(run_dir: str, step: int, actor, keep: int, rank: int, critic=None,
     meta.json (PPO's KL coefficient), `rank_state` (JSON) into this rank's own file (its
     dynamic-sampling prompt stream). Returns seconds and the path."""
     t = time.perf_counter()
-    final = os.path.join(_dir(run_dir), f"{PREFIX}{step:08d}")
+    final = checkpoint_dir(run_dir, step)
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
