@@ -225,13 +225,35 @@ def reduce_step(record: StepRecord, engine, plan, sums: dict, maxes: dict) -> tu
         "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(),
         "len": out.lengths.sum(),
         "truncated": out.finish_reasons.count("length"), "staleness": staleness, "completions": len(rewards),
-        "completion_tokens": mask.sum(), **episodes.sums(out)})
+        "completion_tokens": mask.sum(), **episodes.sums(out), **token_staleness(out, record.step)})
     s = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **maxes, "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
+        **maxes, "token_staleness_max": token_staleness(out, record.step, largest=True), "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
         "train_s": s["train"], "mem_gib": dist.peak_memory_gib(plan.device),
         "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
     return total, peak
+
+
+STALENESS_BINS = 4  # the per-token histogram counts 0, 1, 2 and 3 or more versions behind
+
+
+def token_staleness(out: Samples, step: int, largest: bool = False):
+    """How many versions behind `step` each sampled token's policy was (Samples.token_versions where
+    the tokens carry their own: --stream, episodes; else the samples' version): sums for the mean
+    and the histogram, {"tokens_versioned", "token_staleness", "token_staleness/k"}; largest: the
+    largest (0 without tokens)."""
+    T = out.tokens.shape[1]
+    sampled = torch.arange(T)[None] < out.lengths[:, None]  # [N, T]
+    versions = out.token_versions if out.token_versions is not None else torch.full_like(out.tokens, out.version)
+    sampled &= versions >= 0  # (an episode's environment tokens: -1)
+    behind = (step - versions)[sampled]  # [tokens]
+    if largest:
+        return float(behind.max()) if len(behind) else 0.0
+    sums = {"tokens_versioned": float(len(behind)), "token_staleness": float(behind.sum())}
+    for k in range(STALENESS_BINS):
+        hit = behind >= k if k == STALENESS_BINS - 1 else behind == k
+        sums[f"token_staleness/{k}"] = float(hit.sum())
+    return sums
 
 
 def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
@@ -258,6 +280,12 @@ def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:
         "perf/peak_mem_gib": peak["mem_gib"], "perf/peak_mem_added_gib": peak["mem_added_gib"],
         "perf/sync_gather_s": peak["sync_gather_s"]})
     metrics.update(placement_metrics(plan, total, peak))
+    if got.samples.token_versions is not None:  # per token (--stream: a sample's tokens span versions)
+        count = max(1.0, total["tokens_versioned"])
+        metrics.update({"rollout/token_staleness_mean": total["token_staleness"] / count,
+                        "rollout/token_staleness_max": peak["token_staleness_max"]})
+        for k in range(STALENESS_BINS):
+            metrics[f"rollout/token_staleness/{k}"] = total[f"token_staleness/{k}"] / count
     metrics.update(episodes.metrics(total))  # multi-turn episodes: turns, tool calls and errors, stops
     metrics.update(moe.metrics(total))  # a MoE policy's routing: load per expert, entropy, replayed share
     return metrics

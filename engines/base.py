@@ -28,7 +28,9 @@ class Samples:
     version: int = 0  # the policy version (optimizer steps) of the weights that generated them
     # multi-turn episodes (engines/episodes.py) only; None / empty for single-turn samples
     model_mask: torch.Tensor | None = None  # [N, T] 1 on the model's tokens, 0 on the environment's
-    token_versions: torch.Tensor | None = None  # [N, T] long: the policy version of each token (-1: env)
+    # [N, T] long: the policy version of each token (-1: an environment's, or past the length); multi-turn
+    # episodes and --stream (a sample's tokens may span versions: engines/pool.py)
+    token_versions: torch.Tensor | None = None
     episode: dict = field(default_factory=dict)  # {stat: [N] float} turns, tool calls, errors, stops
     transcripts: list | None = None  # the whole episode's text (the judge reads it)
     # a MoE model's experts with --routing-replay (models/moe.py Recorder): per sample, int16
@@ -65,7 +67,9 @@ class Samples:
                        torch.cat([p.lengths for p in parts]), [r for p in parts for r in p.finish_reasons],
                        [t for p in parts for t in p.texts], min(p.version for p in parts),
                        torch.cat([pad(p.model_mask) for p in turns]) if turns else None,
-                       torch.cat([pad(p.token_versions, -1) for p in turns]) if turns else None,
+                       torch.cat([pad(p.token_versions, -1) for p in parts if p.token_versions is not None])
+                       if all(p.token_versions is not None or not len(p.lengths) for p in parts)
+                       and any(p.token_versions is not None for p in parts) else None,
                        {k: torch.cat([p.episode[k] for p in turns]) for k in turns[0].episode}
                        if turns else {},
                        [t for p in turns for t in p.transcripts] if turns else None,

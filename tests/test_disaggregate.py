@@ -144,16 +144,18 @@ def test_staleness_one_overlaps_and_stays_within_the_bound(tmp_path):
     assert [r["placement/staleness_max"] for r in rows[4:]] == [0, 1, 1]
 
 
-def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("stream", [[], ["--stream", "--max-staleness", "1"]], ids=["batches", "stream"])
+def test_a_dead_rollout_rank_fails_the_trainers_with_a_clear_error(tmp_path, stream):
     """The ranks are started by hand (not torchrun, which would kill the others itself) so that
-    what the trainers do on their own is what is tested."""
+    what the trainers do on their own is what is tested. stream: a --stream rollout rank dies while
+    its pool runs."""
     run = str(tmp_path / "dead")
     # the store is hosted here, as torchrun's agent hosts it: bound to port 0 by the kernel, so no
     # other process can take its port between choosing it and binding it (bind 0, close, reuse)
     store = torch.distributed.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
-    cmd = [sys.executable, "train_grpo.py", *no_eval(TINY), "--steps", "200", *DISAGG,
+    cmd = [sys.executable, "train_grpo.py", *no_eval(TINY), "--steps", "200", *DISAGG, *stream,
            "--timeout-s", "60", "--run-dir", run]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
