@@ -181,7 +181,7 @@ class Streaming(OnPolicy):
         engine.start_stream(Start(
             self.sampling, args.placement.max_staleness, args.steps, args.prompts_per_step // plan.dp,
             max(len(r["ids"]) for r in rows) + args.sampling.max_new_tokens, args.stream.stream_rows,
-            args.stream.partial_rollout_drop, args.run_args.run_dir, snapshot, done))
+            args.stream.partial_rollout_drop, args.stream.stream_swap, args.run_args.run_dir, snapshot, done))
 
     def make(self, step: int, timer, tally) -> RolloutResult:
         args = self.args

@@ -35,14 +35,17 @@ class Request:
 
 
 class RowCache(KVCache):
-    """A decode step writes each row's new keys and values at that row's own column `cols` [R];
-    attention reads the whole cache, where the decode bias masks what a row has not written."""
+    """A decode step writes each of its B rows' new keys and values at that row's own column `cols`
+    [B]; attention reads the first `width` columns of every row (the longest row's), where the
+    decode bias masks what a row has not written. The first B rows of the cache take part."""
 
     def update(self, layer: int, k, v):
-        rows = torch.arange(k.shape[0], device=k.device)
-        self.k[layer][rows, :, self.cols] = k[:, :, 0]  # k, v [R, KV, 1, D]
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device)
+        self.k[layer][rows, :, self.cols] = k[:, :, 0]  # k, v [B, KV, 1, D]
         self.v[layer][rows, :, self.cols] = v[:, :, 0]
-        return self.k[layer], self.v[layer]  # [R, KV, L, D]
+        # [B, KV, width, D]: a view (rows and heads still merge into one batch dimension)
+        return self.k[layer, :B, :, :self.width], self.v[layer, :B, :, :self.width]
 
 
 class Pool:
@@ -156,28 +159,53 @@ class Pool:
         for r, stop, length in zip(idx.tolist(), ends.tolist(), cut.tolist()):
             if stop or length:
                 done += self._end(r, "stop" if stop else "length")
-        going = ~(ends | cut)
-        rows = idx[going]  # [going] rows that decode on
-        if len(rows):
-            fed = torch.zeros(self.R, dtype=torch.long, device=dev)
-            fed[rows] = tok[going]
-            cols = torch.zeros(self.R, dtype=torch.long, device=dev)  # free rows write column 0
-            cols[rows] = self.cache.cols[rows]
-            self.bias[rows, 0, cols[rows]] = 0  # each row sees its new token
-            write, self.cache.cols = self.cache.cols, cols
-            logits = self.engine.decoder.decode(fed, cols, self.bias, self.cache)  # [R, V]
+        self._compact()
+        live = self.live  # the first `live` rows, each fed the token it just sampled
+        if live:
+            # the rows in a power of two (oneDNN keeps state per batch size it sees), the columns up
+            # to the longest row's
+            B = min(self.R, 1 << (live - 1).bit_length())
+            rows = torch.arange(live, device=dev)
+            fed = torch.zeros(B, dtype=torch.long, device=dev)
+            fed[:live] = self.tokens[rows, self.t[rows] - 1]
+            cols = torch.zeros(B, dtype=torch.long, device=dev)  # the free rows write column 0
+            cols[:live] = self.cache.cols[:live]
+            self.bias[rows, 0, cols[:live]] = 0  # each row sees its new token
+            write, self.cache.cols, self.cache.width = self.cache.cols, cols, int(cols.max()) + 1
+            logits = self.engine.decoder.decode(fed, cols, self.bias[:B, :, :self.cache.width],
+                                                self.cache)  # [B, V]
             self.cache.cols = write
-            self.cache.cols[rows] += 1
-            self.logits[rows] = logits[rows]
+            self.cache.cols[:live] += 1
+            self.logits[:live] = logits[:live]
         return done
+
+    def _compact(self):
+        """The last live rows move into the free rows before them, so that the live ones are the
+        first (a step then runs only as many rows as are live, rounded up)."""
+        live = [s for s, r in enumerate(self.slot) if r is not None]
+        free = [s for s, r in enumerate(self.slot) if r is None]
+        for src, dst in zip(reversed(live), free):
+            if dst > src:
+                break
+            n = int(self.cache.cols[src])
+            self.cache.k[:, dst, :, :n] = self.cache.k[:, src, :, :n]
+            self.cache.v[:, dst, :, :n] = self.cache.v[:, src, :, :n]
+            for x in (self.bias, self.logits, self.keys, self.t, self.tokens, self.logprobs, self.versions,
+                      self.cache.cols):
+                x[dst] = x[src]
+            self.bias[src, 0].fill_(float("-inf"))
+            self.bias[src, 0, 0] = 0
+            self.slot[dst], self.slot[src] = self.slot[src], None
 
     def _end(self, r: int, reason: str) -> list:
         """Row r's sample ended: keep it with its request, free the row; the request and its
         Samples once all n have ended."""
         req, j = self.slot[r]
         length = int(self.t[r])
-        self.ended[req.key][j] = (self.tokens[r, :length].cpu(), self.logprobs[r, :length].float().cpu(),
-                                  self.versions[r, :length].cpu(), reason)
+        # copies: the row is reused (on a CPU, .cpu() would be a view of it)
+        self.ended[req.key][j] = (self.tokens[r, :length].clone().cpu(),
+                                  self.logprobs[r, :length].float().clone().cpu(),
+                                  self.versions[r, :length].clone().cpu(), reason)
         self.slot[r] = None
         self.bias[r, 0].fill_(float("-inf"))
         self.bias[r, 0, 0] = 0
@@ -228,8 +256,8 @@ class Pool:
         for r, held in enumerate(self.slot):
             if held is not None:
                 t = int(self.t[r])
-                rows.append((r, held[0], held[1], int(self.keys[r]), self.tokens[r, :t].cpu(),
-                             self.logprobs[r, :t].cpu(), self.versions[r, :t].cpu()))
+                rows.append((r, held[0], held[1], int(self.keys[r]), self.tokens[r, :t].clone().cpu(),
+                             self.logprobs[r, :t].clone().cpu(), self.versions[r, :t].clone().cpu()))
         return {"rows": rows, "ended": self.ended, "requests": self.requests}
 
     def load(self, state: dict):

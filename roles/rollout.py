@@ -65,6 +65,7 @@ class Start:
     context: int  # the longest prompt plus max_new_tokens
     rows: int  # --stream-rows (0: one step's samples of its trainers)
     drop: bool  # --partial-rollout-drop
+    swap: str  # --stream-swap
     run_dir: str  # where the trainers' checkpoints are, to save what is in flight into them
     snapshot: str | None = None  # a resumed run: what was in flight at the checkpoint's version
     resumed: int = 0  # that version (the steps done)

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -55,11 +55,17 @@ class StreamArgs:
     (docs/streaming.md)"""
     stream_rows: int = 0
     """--stream: samples a rollout rank decodes at once (0: one step's samples of its trainers)"""
+    stream_swap: Literal["fixed", "asap"] = "fixed"
+    """--stream: when new weights go into the pool. fixed: at a point the data fixes (module docstring of
+    roles/stream.py): a run is reproducible bit for bit and resumes exactly, and the pool stops while a
+    version it needs is late; asap: between the next two decode steps after they arrive: the pool never
+    waits for them, and a run is not reproducible bit for bit (a resume skips or repeats no prompt)"""
     partial_rollout_drop: bool = False
     """--stream: a sample still running when new weights go in starts over under them, instead of
     going on under them (its earlier tokens keeping the version and log-prob that sampled them)"""
     APPLIES: ClassVar = {  # flags that apply only under another (utils.errors.check_applies)
-        "stream_rows": ("stream", bool, "--stream"), "partial_rollout_drop": ("stream", bool, "--stream")}
+        "stream_rows": ("stream", bool, "--stream"), "partial_rollout_drop": ("stream", bool, "--stream"),
+        "stream_swap": ("stream", bool, "--stream")}
 
     def check(self, args):
         p = args.placement
@@ -200,12 +206,18 @@ class Generator:
 
     def admit(self) -> bool:
         """Admit what the rule allows (module docstring), waiting for prompts and a version when
-        it must. False once told to stop."""
+        it must. False once told to stop. --stream-swap asap: the newest version goes in first, and
+        the pool decodes on rather than wait for one."""
+        if self.cfg.swap == "asap" and self.staged and max(self.staged) > (self.applied or -1):
+            self.swap(max(self.staged))
         while self.pool.free >= self.n:
             j = self.next_step()
             need = max(0, j - self.K)
             if j >= self.cfg.steps or any(r.key[0] < need for r in self.pool.requests.values()):
                 return True  # nothing more is coming, or the live rows of older steps end first
+            if self.cfg.swap == "asap" and self.pool.live and not (
+                    self.here(j) and self.applied is not None and self.applied >= need):
+                return True  # decode on; what is missing comes between two steps
             have = self.applied is not None and self.applied >= need
 
             if not self.here(j) or not (have or need in self.staged):
