@@ -175,9 +175,10 @@ class Streaming(OnPolicy):
         self.held = {}  # step -> (this rank's rows, seeds) sent, not yet trained
         done = resumed.get("step", 0)
         snapshot = None
-        if done:
+        if done:  # (a checkpoint of a run without --stream has none: the pool starts empty)
             snapshot = os.path.join(checkpoint.checkpoint_dir(args.run_args.run_dir, done),
                                     SNAPSHOT.format(rank=plan.rollout_peer))
+            snapshot = snapshot if os.path.isfile(snapshot) else None
         engine.start_stream(Start(
             self.sampling, args.placement.max_staleness, args.steps, args.prompts_per_step // plan.dp,
             max(len(r["ids"]) for r in rows) + args.sampling.max_new_tokens, args.stream.stream_rows,
@@ -310,7 +311,8 @@ class DynamicSampling:
         return got
 
     def saved(self) -> tuple[dict, dict]:
-        return {"ds_ema": self.ema}, {"stream": self.stream.state()}
+        extra, mine = self.inner.saved()  # (--stream: the rollout ranks' snapshots the checkpoint awaits)
+        return {**extra, "ds_ema": self.ema}, {**mine, "stream": self.stream.state()}
 
 
 class ReMax:

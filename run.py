@@ -330,6 +330,10 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
         rollout_busy = rollout["busy_s"] + rollout["sync_s"]
         rollout_idle = rollout["idle_s"]
         device_idle = trainer_idle + rollout_idle * plan.layout.rollout_ranks / plan.dp
+        if "rows_s" in rollout:  # --stream: how full the pool ran, and its decode steps' seconds
+            return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
+                    "rollout_idle": rollout_idle, "device_idle": device_idle, "pool_rows_s": rollout["rows_s"],
+                    "pool_decode_s": rollout["decode_s"], "pool_steps": rollout["steps"]}
     else:
         rollout_busy = phase("generate") + phase("eval")
         rollout_idle = step_s - rollout_busy
@@ -351,6 +355,9 @@ def placement_metrics(plan, total: dict, peak: dict) -> dict:
         for role in ("judge_busy", "judge_idle"):
             out[f"placement/{role}_s"] = total[role] / plan.layout.judge
     out["placement/idle_share"] = total["device_idle"] / (plan.layout.world * peak["step_s"])
+    if "pool_steps" in total:  # --stream: the live rows of a decode step, and its milliseconds (means)
+        out["placement/pool_rows"] = total["pool_rows_s"] / max(1e-9, total["pool_decode_s"])
+        out["placement/pool_step_ms"] = 1e3 * total["pool_decode_s"] / max(1.0, total["pool_steps"])
     out["placement/staleness_max"] = peak["staleness"]
     out["placement/staleness_mean"] = total["staleness"] / plan.dp
     return out

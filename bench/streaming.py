@@ -11,6 +11,8 @@ held-out accuracy (128 problems) at its first and last step; then per way, over 
 
     python bench/streaming.py                     # 4 ways x 3 seeds x 30 steps, ~25 min on 2 cores
     python bench/streaming.py --seeds 0 --steps 10 --ways ahead,fixed
+    python bench/streaming.py --seeds 0 --ways ahead-k2,asap-k2   # at --max-staleness 2
+    python bench/streaming.py --decode-rows    # a decode step's cost against its rows and context
 """
 import argparse
 import os
@@ -18,19 +20,31 @@ import subprocess
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.carries_learning import MODEL, TASK  # noqa: E402
 from bench.common import print_table  # noqa: E402
+from engines.native import NativeEngine  # noqa: E402
+from models.decoder import KVCache  # noqa: E402
+from models.hf import iter_checkpoint, read_config  # noqa: E402
+from models.tokenizer import Tokenizer  # noqa: E402
 from utils.logger import read_metrics  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1"]
+DISAGG = ["--placement", "disaggregate", "--rollout-ranks", "1"]
 WAYS = {  # name -> flags on top of DISAGG
-    "ahead": [],  # today: step k+1's batch generated while step k trains
-    "fixed": ["--stream"],  # the pool, new weights in at a point the data fixes (exact resume)
-    "asap": ["--stream", "--stream-swap", "asap"],  # the pool, new weights in as they come
-    "asap-drop": ["--stream", "--stream-swap", "asap", "--partial-rollout-drop"],  # and samples restart
+    "ahead": ["--max-staleness", "1"],  # today: step k+1's batch generated while step k trains
+    # the pool, new weights in at a point the data fixes (exact resume)
+    "fixed": ["--max-staleness", "1", "--stream"],
+    "asap": ["--max-staleness", "1", "--stream", "--stream-swap", "asap"],  # new weights in as they come
+    # and the samples running then restart
+    "asap-drop": ["--max-staleness", "1", "--stream", "--stream-swap", "asap", "--partial-rollout-drop"],
+    # not in the default table (another bound): what the bound of 1 costs the pool
+    "asap-k2": ["--max-staleness", "2", "--stream", "--stream-swap", "asap"],
+    "ahead-k2": ["--max-staleness", "2"],
 }
+DEFAULT = "ahead,fixed,asap,asap-drop"
 
 
 def run(way: str, seed: int, steps: int, out: str) -> str:
@@ -61,13 +75,42 @@ def measure(run_dir: str) -> dict:
             "acc0": evals[0], "acc1": evals[-1], "len": sum(r["rollout/response_len"] for r in rows) / len(rows)}
 
 
+def decode_rows():
+    """What a decode step of the tiny model costs here against its rows and context (the native
+    engine's step, one thread): whether a batch's tail of few rows is cheap (cost in proportion to
+    rows: nothing for continuous batching to win back) or costs nearly a full step (a GPU's
+    memory-bound decode: what the pool wins back)."""
+    torch.set_num_threads(1)
+    engine = NativeEngine(read_config(MODEL), Tokenizer(MODEL))
+    engine.load_weights(iter_checkpoint(MODEL))
+    engine.decoder.prepare(rows=128)
+    rows = []
+    for B in (1, 8, 32, 128):
+        for L in (200, 600):
+            cache = KVCache(engine.cfg, B, L + 1, "cpu", torch.float32)
+            cache.k.normal_()
+            cache.v.normal_()
+            args = (torch.zeros(B, dtype=torch.long), torch.full((B,), L), torch.zeros(B, 1, L + 1), cache)
+            for n in (3, 30):  # warm-up, then timed
+                t = time.perf_counter()
+                for _ in range(n):
+                    cache.pos = L
+                    engine.decoder.decode(*args)
+            ms = (time.perf_counter() - t) / 30 * 1e3
+            rows.append((str(B), str(L), f"{ms:.2f}", f"{ms / B:.3f}"))
+    print_table(("rows", "context", "ms a step", "ms a row"), rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--decode-rows", action="store_true", help="only the decode step's cost against its rows")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--ways", default=DEFAULT, help=f"of {', '.join(WAYS)}")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-streaming"))
     a = ap.parse_args()
+    if a.decode_rows:
+        return decode_rows()
     seeds, ways = [int(s) for s in a.seeds.split(",")], a.ways.split(",")
     got = {w: [measure(run(w, s, a.steps, a.out)) for s in seeds] for w in ways}
     rows = []

@@ -173,6 +173,7 @@ class RemoteEngine:
     def start_stream(self, start: Start):
         self._send(start)
         self.streaming = True
+        self.stats.update({"decode_s": 0.0, "rows_s": 0.0, "steps": 0})  # the pool's (roles/stream.py)
 
     def submit_groups(self, step: int, wave: int, prompts: list, seeds: list):
         self._send(Submit(step, wave, prompts, seeds))

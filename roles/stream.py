@@ -87,7 +87,12 @@ class StreamArgs:
              "ReMax's greedy baseline is a second request per step: drop one of the two"),
             ("stream", not self.stream or not args.rebalance.rebalance,
              "the pool does not move between ranks: drop --rebalance"),
-            ("stream_rows", self.stream_rows >= 0, "use 0 (one step's samples) or a positive count")])
+            ("stream_swap", not (self.stream and args.dynamic_sampling.dynamic_sampling) or self.stream_swap == "asap",
+             "--dynamic-sampling decides each wave from the last one's rewards, so no point fixed by the data "
+             "can wait for a wave without stopping the rows it depends on: add --stream-swap asap"),
+            ("stream_rows", self.stream_rows == 0 or self.stream_rows >= args.num_generations,
+             f"a prompt's {args.num_generations} samples are admitted together: use 0 (one step's samples) "
+             f"or {args.num_generations} or more")])
 
 
 class Generator:
@@ -107,7 +112,9 @@ class Generator:
         self.complete = {}  # step -> [(Request, Samples)] sent, kept until trained (for a snapshot)
         self.sent = {}  # step -> send handles of its groups, waited once the step is trained
         self.evaluator = None  # a second engine for held-out evaluations, with the newest weights
-        self.stats = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0, "rows_s": 0.0}
+        # running totals for the trainers' metrics: seconds busy, putting weights in and waiting; the
+        # decode steps, and their live rows times seconds (how full the pool ran)
+        self.stats = {"busy_s": 0.0, "sync_s": 0.0, "idle_s": 0.0, "decode_s": 0.0, "rows_s": 0.0, "steps": 0}
         self.stopped = False
 
     # ---- messages
@@ -182,14 +189,23 @@ class Generator:
 
     # ---- the loop
     def run(self):
+        """Admit, decode one step, send what ended, take the messages; wait for one only when there
+        is nothing to decode and nothing to admit."""
         while self.admit():
-            t = time.perf_counter()
+            if not self.pool.live:
+                if not self.handle(block=True):
+                    return
+                continue
+            t, live = time.perf_counter(), self.pool.live
             ended = self.pool.step()
-            self.stats["rows_s"] += self.pool.live * (time.perf_counter() - t)
-            self.stats["busy_s"] += time.perf_counter() - t
+            took = time.perf_counter() - t
+            self.stats["busy_s"] += took
+            self.stats["decode_s"] += took
+            self.stats["rows_s"] += live * took
+            self.stats["steps"] += 1
             for req, samples in ended:
                 self.send(req, samples)
-            if not self.handle(block=not self.pool.live):
+            if not self.handle(block=False):
                 return
 
     def next_step(self) -> int:

@@ -86,7 +86,8 @@ def test_an_update_in_flight_switches_the_next_token_to_the_new_version(carries,
     tokens keep the old version's; with drop, the live samples start over under the new weights."""
     engine, prompts = carries
     old = {k: v.clone() for k, v in iter_checkpoint(MODEL)}
-    new = {k: v + 0.02 * torch.randn_like(v, generator=torch.Generator().manual_seed(1)) for k, v in old.items()}
+    noise = torch.Generator().manual_seed(1)
+    new = {k: v + 0.02 * torch.randn_like(v, generator=noise) for k, v in old.items()}
     params = SamplingParams(2, 1.0, max_new_tokens=200)
     pool = Pool(engine, params, 4, max(map(len, prompts)) + 200)
     requests = [Request((i,), p, i) for i, p in enumerate(prompts[:2])]
@@ -112,8 +113,8 @@ def test_an_update_in_flight_switches_the_next_token_to_the_new_version(carries,
             assert versions[:20].tolist() == [0] * 20 and versions[20:].tolist() == [1] * (L - 20)
             for weights, part in ((old, slice(0, 20)), (new, slice(20, L))):
                 engine.load_weights(weights.items())
-                torch.testing.assert_close(s.logprobs[j, part],
-                                           teacher_forced(engine, req.prompt, tokens)[part], rtol=0, atol=1e-4)
+                forced = teacher_forced(engine, req.prompt, tokens)
+                torch.testing.assert_close(s.logprobs[j, part], forced[part], rtol=0, atol=1e-4)
     engine.load_weights(old.items())  # (the module's engine, as it was)
 
 
@@ -148,9 +149,9 @@ def _saved(state):
     return f
 
 
-STREAM = [f for f in TINY if f not in ("--steps", "3")] + [
-    "--steps", "8", "--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream",
-    "--save-every", "2", "--keep-last", "4"]
+BASE = [f for f in TINY if f not in ("--steps", "3")] + [
+    "--steps", "8", "--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream"]
+STREAM = [*BASE, "--save-every", "2", "--keep-last", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +177,12 @@ def test_kill_9_of_the_rollout_rank_then_resume_is_exact(tmp_path, straight):
     groups in flight from the newest complete checkpoint, and the run is the uninterrupted one bit for
     bit (metrics, the per-token staleness included, and the final weights)."""
     run = str(tmp_path / "killed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_grpo.py",
-           *STREAM, "--run-dir", run]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "train_grpo.py", *STREAM, "--run-dir", run]
     log = tmp_path / "killed.log"
     p = start_and_kill_rank_1(cmd, run, log)
-    assert p.wait(timeout=120) != 0  # (torchrun stops the trainer: test_disaggregate.py tests what it says alone)
+    # (torchrun stops the trainer; test_disaggregate.py tests what a trainer says alone)
+    assert p.wait(timeout=120) != 0
     assert len(metrics(run)) < len(metrics(straight))
     newest = checkpoint.find(run)[0]
     held = torch.load(os.path.join(newest, "stream_rollout1.pt"), weights_only=False)
@@ -201,3 +203,18 @@ def test_a_checkpoint_waits_for_the_rollout_ranks_snapshot(tmp_path):
     path, partial = checkpoint.find(str(tmp_path))
     assert os.path.basename(path) == "step_00000002"
     assert [os.path.basename(p) for p in partial] == ["step_00000004"]
+
+
+def test_dynamic_sampling_and_the_decoupled_loss_on_the_stream(tmp_path):
+    """--dynamic-sampling's waves go into the running pool (each step waits for its own), and AReaL's
+    decoupled objective (--recompute-old-logp --mismatch tis: the clip around the recomputed policy,
+    a truncated weight to each token's sampling version) trains on the tokens' own log-probs."""
+    run = str(tmp_path / "ds")
+    torchrun(2, "train_grpo.py", *BASE, "--dynamic-sampling", "--stream-swap", "asap", "--recompute-old-logp",
+             "--mismatch", "tis",
+             "--save-every", "0", "--run-dir", run)
+    rows = [r for r in metrics(run) if "rollout/ds_waves" in r]
+    assert len(rows) == 8 and any(r["rollout/ds_waves"] > 1 for r in rows)  # refills happened
+    assert all(r["rollout/token_staleness_max"] <= 1 for r in rows)
+    assert all(r["train/mismatch_weight_max"] <= 2.0 + 1e-6 for r in rows)  # truncated at --mismatch-high
+    assert any(r["train/mismatch_kl"] > 0 for r in rows[1:])  # stale tokens: the versions differ
