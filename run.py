@@ -228,7 +228,8 @@ def reduce_step(record: StepRecord, engine, plan, sums: dict, maxes: dict) -> tu
         "completion_tokens": mask.sum(), **episodes.sums(out), **token_staleness(out, record.step)})
     s = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **maxes, "token_staleness_max": token_staleness(out, record.step, largest=True), "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
+        **maxes, "token_staleness_max": token_staleness(out, record.step, largest=True),
+        "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
         "train_s": s["train"], "mem_gib": dist.peak_memory_gib(plan.device),
         "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
     return total, peak
@@ -244,7 +245,9 @@ def token_staleness(out: Samples, step: int, largest: bool = False):
     largest (0 without tokens)."""
     T = out.tokens.shape[1]
     sampled = torch.arange(T)[None] < out.lengths[:, None]  # [N, T]
-    versions = out.token_versions if out.token_versions is not None else torch.full_like(out.tokens, out.version)
+    versions = out.token_versions
+    if versions is None:
+        versions = torch.full_like(out.tokens, out.version)
     sampled &= versions >= 0  # (an episode's environment tokens: -1)
     behind = (step - versions)[sampled]  # [tokens]
     if largest:
@@ -332,8 +335,9 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
         device_idle = trainer_idle + rollout_idle * plan.layout.rollout_ranks / plan.dp
         if "rows_s" in rollout:  # --stream: how full the pool ran, and its decode steps' seconds
             return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
-                    "rollout_idle": rollout_idle, "device_idle": device_idle, "pool_rows_s": rollout["rows_s"],
-                    "pool_decode_s": rollout["decode_s"], "pool_steps": rollout["steps"]}
+                    "rollout_idle": rollout_idle, "device_idle": device_idle,
+                    "pool_rows_s": rollout["rows_s"], "pool_decode_s": rollout["decode_s"],
+                    "pool_steps": rollout["steps"]}
     else:
         rollout_busy = phase("generate") + phase("eval")
         rollout_idle = step_s - rollout_busy

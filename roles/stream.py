@@ -87,9 +87,10 @@ class StreamArgs:
              "ReMax's greedy baseline is a second request per step: drop one of the two"),
             ("stream", not self.stream or not args.rebalance.rebalance,
              "the pool does not move between ranks: drop --rebalance"),
-            ("stream_swap", not (self.stream and args.dynamic_sampling.dynamic_sampling) or self.stream_swap == "asap",
-             "--dynamic-sampling decides each wave from the last one's rewards, so no point fixed by the data "
-             "can wait for a wave without stopping the rows it depends on: add --stream-swap asap"),
+            ("stream_swap", not (self.stream and args.dynamic_sampling.dynamic_sampling)
+             or self.stream_swap == "asap",
+             "--dynamic-sampling decides each wave from the last one's rewards, so no point fixed by the "
+             "data can wait for a wave without stopping the rows it depends on: add --stream-swap asap"),
             ("stream_rows", self.stream_rows == 0 or self.stream_rows >= args.num_generations,
              f"a prompt's {args.num_generations} samples are admitted together: use 0 (one step's samples) "
              f"or {args.num_generations} or more")])
