@@ -71,8 +71,10 @@ def measure(run_dir: str) -> dict:
             "rollout_idle": sum(r["placement/rollout_idle_s"] for r in timed) / seconds,
             "trainer_idle": sum(r["placement/trainer_idle_s"] for r in timed) / seconds,
             "stale_mean": sum(stale) / len(stale),
-            "stale_max": max(r.get("rollout/token_staleness_max", r["placement/staleness_max"]) for r in rows),
-            "acc0": evals[0], "acc1": evals[-1], "len": sum(r["rollout/response_len"] for r in rows) / len(rows)}
+            "stale_max": max(r.get("rollout/token_staleness_max", r["placement/staleness_max"])
+                             for r in rows),
+            "acc0": evals[0], "acc1": evals[-1],
+            "len": sum(r["rollout/response_len"] for r in rows) / len(rows)}
 
 
 def decode_rows():

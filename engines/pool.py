@@ -268,4 +268,5 @@ class Pool:
             t = len(tok)
             self.slot[r] = (req, j)
             self.keys[r], self.t[r] = key, t
-            self.tokens[r, :t], self.logprobs[r, :t], self.versions[r, :t] = tok.to(dev), lp.to(dev), ver.to(dev)
+            self.tokens[r, :t], self.logprobs[r, :t] = tok.to(dev), lp.to(dev)
+            self.versions[r, :t] = ver.to(dev)
