@@ -84,7 +84,7 @@ class StreamArgs:
             ("stream", not self.stream or not args.moe.routing_replay,
              "the pool does not record the experts of its tokens: drop --routing-replay"),
             ("stream", not self.stream or args.advantage != "remax",
-             "ReMax's greedy baseline is a second request per step: drop one of the two"),
+             "the greedy baseline of --advantage remax is a second request per step: drop one of the two"),
             ("stream", not self.stream or not args.rebalance.rebalance,
              "the pool does not move between ranks: drop --rebalance"),
             ("stream_swap", not (self.stream and args.dynamic_sampling.dynamic_sampling)

@@ -107,6 +107,15 @@ CASES = [  # (flags, what the error line must say)
      "--reward-model assets/arith-tiny is a Qwen2ForCausalLM: use a ...ForSequenceClassification checkpoint"),
     (["--rewards", "rm", "--reward-model", "{tmp}/rm_without_pad"], "config.json has no pad_token_id"),
     (["--dynamic-sampling", "--advantage", "remax"], "carry no signal only under a group baseline"),
+    # --stream (roles/stream.py)
+    (["--stream"], "--stream True: rollout ranks stream to trainers, and --placement colocate has none"),
+    (["--placement", "disaggregate", "--rollout-ranks", "1", "--stream"],
+     "--stream True: a token may then be sampled under an older version"),
+    (["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream",
+      "--stream-rows", "3"], "--stream-rows 3: a prompt's 4 samples are admitted together"),
+    (["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream",
+      "--dynamic-sampling"], "--stream-swap fixed: --dynamic-sampling decides each wave"),
+    (["--stream-swap", "asap"], "--stream-swap asap"),
     (["--placement", "partial", "--sampler-ranks", "1"],
      "--judge-model None: --placement partial splits the policy's ranks between a sampler and a judge: add a "
      "--judge-model"),

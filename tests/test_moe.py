@@ -304,7 +304,9 @@ def test_replay_in_disaggregate_grpo_and_in_ppo(moe_dir, tmp_path, script, ranks
     rows = [r for r in metrics(str(tmp_path)) if "train/moe_replayed" in r]
     assert len(rows) == 3 and all(r["train/moe_replayed"] > 0.5 for r in rows)
     assert all(r["train/logprob_gap_max"] < 1e-4 for r in rows)
-    assert all(abs(sum(r[f"train/moe_load/{e}"] for e in range(8)) - 1) < 1e-6 for r in rows)
+    # the shares sum to 1 up to the metrics file's rounding: 6 decimals each, so 8 of them within 8 x 5e-7
+    sums = [sum(r[f"train/moe_load/{e}"] for e in range(8)) for r in rows]
+    assert all(abs(total - 1) <= 8 * 5e-7 + 1e-9 for total in sums), sums
 
 
 def test_the_tiny_moe_is_made_the_same_bytes_twice(tmp_path):
