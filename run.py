@@ -219,16 +219,17 @@ def reduce_step(record: StepRecord, engine, plan, sums: dict, maxes: dict) -> tu
     out, rewards, failed = got.samples, got.rewards, got.failed
     step_s = timer.elapsed()
     staleness = record.step - out.version
+    stale_sums, stale_max = token_staleness(out, record.step)
     parts = {f"reward/{name}": part[~failed].sum() for name, part in got.parts.items()}
     total = dist.reduce(group=plan.trainer_group, values={
         **sums, **parts, **phase_metrics(plan, engine, timer.seconds, step_s, got.tally),
         "reward": rewards.sum(), "failures": failed.sum(), "scored": (~failed).sum(),
         "len": out.lengths.sum(),
         "truncated": out.finish_reasons.count("length"), "staleness": staleness, "completions": len(rewards),
-        "completion_tokens": mask.sum(), **episodes.sums(out), **token_staleness(out, record.step)})
+        "completion_tokens": mask.sum(), **episodes.sums(out), **stale_sums})
     s = timer.seconds
     peak = dist.reduce(op=MAX, group=plan.trainer_group, values={
-        **maxes, "token_staleness_max": token_staleness(out, record.step, largest=True),
+        **maxes, "token_staleness_max": stale_max,
         "gen_s": s["generate"], "ref_s": s.get("reference", 0.0), "rm_s": s.get("reward_model", 0.0),
         "train_s": s["train"], "mem_gib": dist.peak_memory_gib(plan.device),
         "mem_added_gib": dist.memory_added_gib(plan.device), "step_s": step_s, "staleness": staleness})
@@ -238,11 +239,11 @@ def reduce_step(record: StepRecord, engine, plan, sums: dict, maxes: dict) -> tu
 STALENESS_BINS = 4  # the per-token histogram counts 0, 1, 2 and 3 or more versions behind
 
 
-def token_staleness(out: Samples, step: int, largest: bool = False):
+def token_staleness(out: Samples, step: int) -> tuple[dict, float]:
     """How many versions behind `step` each sampled token's policy was (Samples.token_versions where
-    the tokens carry their own: --stream, episodes; else the samples' version): sums for the mean
-    and the histogram, {"tokens_versioned", "token_staleness", "token_staleness/k"}; largest: the
-    largest (0 without tokens)."""
+    the tokens carry their own: --stream, episodes; else the samples' version): (sums for the mean
+    and the histogram, {"tokens_versioned", "token_staleness", "token_staleness/k"}; the largest, 0
+    without tokens)."""
     T = out.tokens.shape[1]
     sampled = torch.arange(T)[None] < out.lengths[:, None]  # [N, T]
     versions = out.token_versions
@@ -250,13 +251,11 @@ def token_staleness(out: Samples, step: int, largest: bool = False):
         versions = torch.full_like(out.tokens, out.version)
     sampled &= versions >= 0  # (an episode's environment tokens: -1)
     behind = (step - versions)[sampled]  # [tokens]
-    if largest:
-        return float(behind.max()) if len(behind) else 0.0
     sums = {"tokens_versioned": float(len(behind)), "token_staleness": float(behind.sum())}
     for k in range(STALENESS_BINS):
         hit = behind >= k if k == STALENESS_BINS - 1 else behind == k
         sums[f"token_staleness/{k}"] = float(hit.sum())
-    return sums
+    return sums, float(behind.max()) if len(behind) else 0.0
 
 
 def step_metrics(total: dict, peak: dict, got, actor, plan) -> dict:

@@ -320,9 +320,7 @@ def receive(plan, engine, msg: Weights, bufs: dict):
     if hasattr(engine, "receive_weights") and not msg.adapters:  # a vLLM engine (perhaps in Episodes)
         engine.receive_weights(msg.specs)
         return
-    buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
-    shapes = {name: shape for name, shape, _ in msg.specs}
-    weights = dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs)
+    weights = _incoming(plan, msg, bufs)
     if msg.adapters:
         engine.load_adapters(weights, msg.adapters)
     else:
@@ -332,10 +330,15 @@ def receive(plan, engine, msg: Weights, bufs: dict):
 def receive_staged(plan, msg: Weights, bufs: dict) -> list:
     """--stream: one update from trainer 0's broadcast, copied out of the bucket buffers, to go into
     the engine later: [(hf_name, tensor)]."""
+    return [(name, t.clone()) for name, t in _incoming(plan, msg, bufs)]
+
+
+def _incoming(plan, msg: Weights, bufs: dict):
+    """The (hf_name, tensor) stream of trainer 0's broadcast of `msg`, bucket by bucket (each tensor a
+    view of a bucket buffer that the next bucket reuses)."""
     buckets = dist.plan_buckets(msg.specs, msg.bucket_bytes)
     shapes = {name: shape for name, shape, _ in msg.specs}
-    return [(name, t.clone()) for name, t in dist.receive_buckets(buckets, shapes, 0, plan.weight_group,
-                                                                   plan.device, bufs)]
+    return dist.receive_buckets(buckets, shapes, 0, plan.weight_group, plan.device, bufs)
 
 
 def agree_on_transfer(plan, engine, specs, bucket_bytes: int):
