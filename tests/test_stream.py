@@ -13,7 +13,6 @@ from test_train_grpo import TINY, metrics
 from engines.decode import SamplingParams
 from engines.native import NativeEngine
 from engines.pool import Pool, Request
-from models.decoder import KVCache
 from models.hf import iter_checkpoint, read_config
 from models.tokenizer import Tokenizer
 from tasks.data import load_rows
@@ -69,17 +68,12 @@ def test_the_pool_gives_a_batchs_tokens(carries, temperature):
 
 
 def teacher_forced(engine, prompt: list[int], tokens: list[int]):
-    """log-probs [len(tokens)] of `tokens` after `prompt` under the engine's weights, one forward."""
+    """log-probs [len(tokens)] of `tokens` after `prompt` under the engine's weights: one forward of the
+    whole sequence (the training model's, not the decoder's)."""
     ids = torch.tensor([prompt + tokens])
-    pos = torch.arange(ids.shape[1])[None]
-    cache = KVCache(engine.cfg, 1, ids.shape[1], engine.device, engine.dtype)
-    logits = []
-    for t in range(len(prompt), ids.shape[1] + 1):  # each position's next-token logits
-        cache.pos = 0
-        logits.append(engine.decoder(ids[:, :t], pos[:, :t], torch.ones(1, 1, t, t, dtype=torch.bool).tril(),
-                                     cache))
-    logp = torch.log_softmax(torch.cat(logits), -1)  # [len(tokens) + 1, V]
-    return logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+    with torch.no_grad():
+        logits = engine.model(ids, logits_from=len(prompt) - 1)[0, :-1]  # [len(tokens), V]
+    return torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
 
 
 @pytest.mark.reordered
