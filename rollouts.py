@@ -154,16 +154,22 @@ class Ahead(OnPolicy):
             while self.submitted <= min(step + args.placement.max_staleness, args.steps - 1):
                 ahead, seeds = step_prompts(self.rows, self.submitted, args.prompts_per_step,
                                             args.run_args.seed, self.plan.rank, self.plan.dp)
-                ticket = self.engine.submit([r["ids"] for r in ahead], self.sampling, seeds)
-                self.in_flight[self.submitted] = ahead, seeds, ticket
+                self.in_flight[self.submitted] = ahead, seeds, self.send(self.submitted, ahead, seeds)
                 self.submitted += 1
             rows, seeds, ticket = self.in_flight.pop(step)
-            out = self.engine.result(ticket)
+            out = self.take(step, rows, ticket)
         scores = self.scorer.score(rows, seeds, out, None, self.n, timer, tally)
         return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
 
+    def send(self, step: int, rows: list[dict], seeds: list[int]):
+        """A step's prompts out to the rollout rank; returns what `take` needs (the engine's ticket)."""
+        return self.engine.submit([r["ids"] for r in rows], self.sampling, seeds)
 
-class Streaming(OnPolicy):
+    def take(self, step: int, rows: list[dict], ticket) -> Samples:
+        return self.engine.result(ticket)
+
+
+class Streaming(Ahead):
     """disaggregate, --stream: the prompts of the steps up to --max-staleness ahead go to the rollout
     rank's pool (roles/stream.py), which streams each group back as it ends; a step takes its own
     groups once they are all in. Its tokens carry their versions (Samples.token_versions); a
@@ -171,8 +177,6 @@ class Streaming(OnPolicy):
 
     def __init__(self, engine, scorer, rows, args, plan, resumed: dict):
         super().__init__(engine, scorer, rows, args, plan)
-        self.submitted = resumed.get("step", 0)  # the next step whose prompts go out
-        self.held = {}  # step -> (this rank's rows, seeds) sent, not yet trained
         done = resumed.get("step", 0)
         snapshot = None
         if done:  # (a checkpoint of a run without --stream has none: the pool starts empty)
@@ -184,19 +188,11 @@ class Streaming(OnPolicy):
             max(len(r["ids"]) for r in rows) + args.sampling.max_new_tokens, args.stream.stream_rows,
             args.stream.partial_rollout_drop, args.stream.stream_swap, args.run_args.run_dir, snapshot, done))
 
-    def make(self, step: int, timer, tally) -> RolloutResult:
-        args = self.args
-        with timer("generate"):
-            while self.submitted <= min(step + args.placement.max_staleness, args.steps - 1):
-                ahead, seeds = step_prompts(self.rows, self.submitted, args.prompts_per_step,
-                                            args.run_args.seed, self.plan.rank, self.plan.dp)
-                self.engine.submit_groups(self.submitted, 0, [r["ids"] for r in ahead], seeds)
-                self.held[self.submitted] = ahead, seeds
-                self.submitted += 1
-            rows, seeds = self.held.pop(step)
-            out = self.engine.take_groups(step, 0, len(rows))
-        scores = self.scorer.score(rows, seeds, out, None, self.n, timer, tally)
-        return self.finish(rows, out, scores, torch.zeros(len(out.texts), dtype=torch.bool), tally)
+    def send(self, step: int, rows: list[dict], seeds: list[int]):
+        self.engine.submit_groups(step, 0, [r["ids"] for r in rows], seeds)
+
+    def take(self, step: int, rows: list[dict], ticket) -> Samples:
+        return self.engine.take_groups(step, 0, len(rows))
 
     def generate(self, rows, seeds, timer, tally, step: int = 0, wave: int = 0):
         """--dynamic-sampling's waves: each one sent, then its groups awaited."""
