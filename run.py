@@ -23,6 +23,7 @@ from engines.decode import SamplingParams
 from engines.episodes import EnvArgs
 from engines.make import make_engine
 from engines.native import NativeEngine
+from engines.vllm_engine import VLLMEngine
 from flags import DataArgs
 from models import lora, moe
 from models.hf import read_config
@@ -126,9 +127,10 @@ def run_rollout_rank(plan, local_engine, arrival=None):
         print(f"rollout ranks: {type(engine).__name__}, ready in {time.perf_counter() - t:.0f}s", flush=True)
     moving = serve(plan, engine)
     if isinstance(moving, Start):  # --stream: its own loop, to the end of the run
-        if not isinstance(engine, NativeEngine):
-            leave(engine, f"rollout rank {plan.rank}: --stream needs the native engine, and this rank has "
-                          f"{type(engine).__name__}: use --engine native")
+        if not (isinstance(engine, NativeEngine) or isinstance(engine, VLLMEngine) and moving.swap == "asap"):
+            leave(engine, f"rollout rank {plan.rank}: --stream needs the native engine, or vLLM with "
+                          f"--stream-swap asap, and this rank has {type(engine).__name__} (--stream-swap "
+                          f"{moving.swap}): use --engine native, or add --stream-swap asap")
         stream.serve(plan, engine, moving)
         moving = None
     if moving is None:

@@ -234,6 +234,12 @@ class Pool:
         return Samples(tokens, logprobs, lengths, [p[3] for p in parts], texts, version,
                        token_versions=versions)
 
+    def update(self, load, drop: bool = False):
+        """New weights between two steps: `load()` puts them into the engine (and its version), then
+        `refresh`."""
+        load()
+        self.refresh(drop)
+
     def refresh(self, drop: bool = False):
         """After the engine's weights changed (its version with them): every live row's keys and
         values recomputed under the new weights from its prompt and its tokens so far (they keep the

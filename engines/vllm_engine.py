@@ -129,29 +129,25 @@ class VLLMEngine(Engine):
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Samples:
         if not prompts:
             return Samples.empty(self.version)
-        sps = [self.vllm.SamplingParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
-            max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
-            stop_token_ids=sorted(self.tok.eos_ids)) for seed in seeds]
         from engines import vllm_vision  # defers transformers' processors
 
-        outs = self.llm.generate([self._input(p) for p in prompts], sps, use_tqdm=False,
-                                 lora_request=self.lora)
+        outs = self.llm.generate([self._input(p) for p in prompts], [self.sampling(params, s) for s in seeds],
+                                 use_tqdm=False, lora_request=self.lora)
         for p, o in zip(prompts, outs):
             if getattr(p, "images", None):  # vLLM expanded its image pads as we did
                 vllm_vision.check_expanded(p, o.prompt_token_ids)
-        rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major, as native
-        T = max(1, max(len(c.token_ids) for c in rows))
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        logprobs = torch.zeros(len(rows), T)
-        for i, c in enumerate(rows):
-            n = len(c.token_ids)
-            tokens[i, :n] = torch.tensor(c.token_ids)
-            logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        lengths = torch.tensor([len(c.token_ids) for c in rows])
-        reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
-        texts = [c.text for c in rows]
-        return Samples(tokens, logprobs, lengths, reasons, texts, _version(rows, self.version))
+        return samples_of(outs, self.version)
+
+    def sampling(self, params: SamplingParams, seed: int):
+        """Our sampling parameters as vLLM's, for one prompt (its n samples) and its seed; each sampled
+        token's log-prob comes back with it, and a request answers once, when all n have ended (as
+        `LLM.generate` asks; a request added to `llm.llm_engine` by hand needs it said)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        return self.vllm.SamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+            max_tokens=params.max_new_tokens, stop=params.stop or None, logprobs=0, seed=seed,
+            stop_token_ids=sorted(self.tok.eos_ids), output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _input(self, prompt: list[int]) -> dict:
         """A prompt as vLLM takes it: token ids, and the images of an image prompt."""
@@ -228,15 +224,30 @@ def _stop_with_children(signum, frame):
     os._exit(128 + signum)
 
 
-def _version(rows, loaded: int) -> int:
-    """The oldest policy version vLLM says made these samples' tokens (as finish_weight_update
-    named it); `loaded` if it names none (no update yet: vLLM's "default")."""
-    versions = []
-    for c in rows:
+def samples_of(outs: list, loaded: int, per_token: bool = False) -> Samples:
+    """vLLM's finished RequestOutputs as Samples, prompt-major (each prompt's n in order, as the native
+    engine's); the version is the oldest that vLLM says made a token (`loaded` if it names none);
+    per_token: each token's version too (`token_versions`, -1 past a sample's end), from vLLM's
+    weight-version spans over each sample's tokens."""
+    rows = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+    T = max(1, max(len(c.token_ids) for c in rows))
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    logprobs = torch.zeros(len(rows), T)
+    versions = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, c in enumerate(rows):
+        n = len(c.token_ids)
+        tokens[i, :n] = torch.tensor(c.token_ids)
+        logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        versions[i, :n] = loaded
         for span in c.weight_versions or []:
             if span.version.isdigit():
-                versions.append(int(span.version))
-    return min(versions) if versions else loaded
+                versions[i, span.start:span.end] = int(span.version)
+    lengths = torch.tensor([len(c.token_ids) for c in rows])
+    reasons = ["length" if c.finish_reason == "length" else "stop" for c in rows]
+    sampled = versions[versions >= 0]
+    version = int(sampled.min()) if len(sampled) else loaded
+    return Samples(tokens, logprobs, lengths, reasons, [c.text for c in rows], version,
+                   token_versions=versions if per_token else None)
 
 
 VLLM_NEEDED = ("--engine vllm needs vLLM. GPU: pip install -r requirements-vllm-gpu.txt; CPU: pip install -r "

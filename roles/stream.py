@@ -38,6 +38,8 @@ import torch
 
 from engines.native import NativeEngine
 from engines.pool import Pool, Request
+from engines.vllm_engine import VLLMEngine
+from engines.vllm_pool import VLLMPool
 from roles.rollout import Generate, Start, Stop, Weights, leave, receive_staged
 from utils import dist
 from utils.checkpoint import checkpoint_dir
@@ -68,7 +70,7 @@ class StreamArgs:
         "stream_swap": ("stream", bool, "--stream")}
 
     def check(self, args):
-        p = args.placement
+        p, vllm = args.placement, args.sampling.engine == "vllm"
         check_rules(self, [
             ("stream", not self.stream or p.placement == "disaggregate",
              f"rollout ranks stream to trainers, and --placement {p.placement} has none: add --placement "
@@ -76,9 +78,13 @@ class StreamArgs:
             ("stream", not self.stream or p.max_staleness >= 1,
              "a token may then be sampled under an older version than the step that trains it: add "
              "--max-staleness 1 (or more)"),
-            ("stream", not self.stream or args.sampling.engine != "vllm",
-             "it runs the native engine's pool, and our vLLM engine cannot take weights between two "
-             "decode steps of a request (docs/streaming.md): use --engine native"),
+            ("stream_swap", not (self.stream and vllm) or self.stream_swap == "asap",
+             "a rollout rank's vLLM takes new weights inside trainer 0's broadcast, which waits for it, so "
+             "it cannot hold them for a point the data fixes (docs/streaming.md#vllm): add --stream-swap "
+             "asap, or use --engine native"),
+            ("stream", not (self.stream and vllm) or args.lora.lora_vllm == "merged",
+             "vLLM's running requests keep the adapter they started with, and each sync removes it: use "
+             "--lora-vllm merged"),
             ("stream", not self.stream or not (args.env.env or args.env.tools or args.agent.agent),
              "tool-using episodes and --agent run turn by turn outside the pool: drop one of the two"),
             ("stream", not self.stream or not args.moe.routing_replay,
@@ -99,11 +105,12 @@ class StreamArgs:
 class Generator:
     """A rollout rank's streaming loop (`serve` runs it) and its state."""
 
-    def __init__(self, plan, engine: NativeEngine, start: Start):
+    def __init__(self, plan, engine: NativeEngine | VLLMEngine, start: Start):
         self.plan, self.engine, self.cfg = plan, engine, start
         self.K, self.n = start.max_staleness, start.params.n
         rows = start.rows or start.step_prompts * self.n * len(plan.served)
-        self.pool = Pool(engine, start.params, rows, start.context)
+        kind = VLLMPool if isinstance(engine, VLLMEngine) else Pool
+        self.pool = kind(engine, start.params, rows, start.context)
         self.inbox = queue.Queue()  # (kind, payload) from the listening thread
         self.staged = {}  # version -> [(Weights, tensors)]: received, not yet put in
         self.unseen = []  # [(Weights, tensors)] not yet in the evaluator (a base, then the newest)
@@ -121,13 +128,16 @@ class Generator:
     # ---- messages
     def listen(self):
         """The listening thread: every message of the trainers, in order; a weight broadcast is
-        received here whole (copied out of the bucket buffers) and handed over with its message."""
+        received here whole (copied out of the bucket buffers) and handed over with its message; one
+        that a vLLM engine takes itself is handed over as (message, None), to be taken at once."""
         bufs = {}
+        vllm = isinstance(self.engine, VLLMEngine)
         while True:
             try:
                 msgs = [dist.recv_obj(r, self.plan.request_group) for r in self.plan.served]
                 if isinstance(msgs[0], Weights):
-                    msgs = [(msgs[0], receive_staged(self.plan, msgs[0], bufs))]
+                    own = vllm and not msgs[0].adapters  # vLLM's worker takes them
+                    msgs = [(msgs[0], None if own else receive_staged(self.plan, msgs[0], bufs))]
             except RuntimeError as e:
                 self.inbox.put(("gone", str(e)[:300]))
                 return
@@ -163,6 +173,8 @@ class Generator:
             self.staged.setdefault(first[0].version, []).append(first)
             self.unseen = [first] if not first[0].adapters else [
                 p for p in self.unseen if not p[0].adapters] + [first]
+            if first[1] is None:  # vLLM's, still in trainer 0's broadcast: now (the first is a resume's)
+                self.swap(first[0].version, save=self.applied is not None)
         elif isinstance(first, Generate):  # a held-out evaluation: one batch per trainer, newest weights
             self.evaluate(msgs)
         else:  # Submit, one per trainer
@@ -178,13 +190,16 @@ class Generator:
 
     def evaluate(self, msgs: list):
         t = time.perf_counter()
-        if self.evaluator is None:
-            e = self.engine
-            self.evaluator = NativeEngine(e.cfg, e.tok, e.device, e.dtype)
-        _load(self.evaluator, self.unseen)
-        self.unseen = []
+        if isinstance(self.pool, VLLMPool):  # its requests join the stream's, under the newest weights
+            answer = self.pool.evaluate
+        else:
+            if self.evaluator is None:
+                e = self.engine
+                self.evaluator = NativeEngine(e.cfg, e.tok, e.device, e.dtype)
+            _load(self.evaluator, self.unseen, self.plan.rank)
+            self.unseen, answer = [], self.evaluator.generate
         for trainer, m in zip(self.plan.served, msgs):
-            out = self.evaluator.generate(m.prompts, m.params, m.seeds)
+            out = answer(m.prompts, m.params, m.seeds)
             dist.wait_all(dist.isend_obj({"samples": out, "stats": dict(self.stats)}, trainer))
         self.stats["busy_s"] += time.perf_counter() - t
 
@@ -262,11 +277,11 @@ class Generator:
             dist.wait_all(self.sent.pop(step))
         if save:
             self.save(version)
-        _load(self.engine, self.staged.pop(version))
+        parts = self.staged.pop(version)
         self.engine.version = self.applied = version
+        self.pool.update(lambda: _load(self.engine, parts, self.plan.rank), drop=self.cfg.drop)
         for old in [v for v in self.staged if v < version]:
             del self.staged[old]
-        self.pool.refresh(drop=self.cfg.drop)
         self.stats["sync_s"] += time.perf_counter() - t
 
     def send(self, req: Request, samples):
@@ -297,17 +312,25 @@ class Generator:
         for step, done in sorted(state["complete"].items()):
             for req, samples in done:
                 self.send(req, samples)
-        while version not in self.staged:
+        while version not in self.staged and self.applied != version:  # (a vLLM engine's goes in as it comes)
             if not self.handle(block=True):
                 return False
-        self.swap(version, save=False)
+        if self.applied != version:
+            self.swap(version, save=False)
         return True
 
 
-def _load(engine, parts: list):
-    """Weights into an engine, part by part: [(Weights, tensors)], full weights or LoRA's adapters."""
+def _load(engine, parts: list, rank: int):
+    """Weights into an engine, part by part: [(Weights, tensors)], full weights or LoRA's adapters;
+    tensors None: a vLLM engine's worker takes them from trainer 0's broadcast now."""
     for msg, weights in parts:
-        if msg.adapters:
+        if weights is None:
+            try:
+                engine.receive_weights(msg.specs)
+            except RuntimeError as e:
+                leave(engine, f"rollout rank {rank}: the weights of version {msg.version} broke off: "
+                              f"trainer 0 died or hung; stopping ({str(e)[:300]})")
+        elif msg.adapters:
             engine.load_adapters(weights, msg.adapters)
         else:
             engine.load_weights(weights)

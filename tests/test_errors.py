@@ -116,6 +116,11 @@ CASES = [  # (flags, what the error line must say)
     (["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream",
       "--dynamic-sampling"], "--stream-swap fixed: --dynamic-sampling decides each wave"),
     (["--stream-swap", "asap"], "--stream-swap asap"),
+    (["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream",
+      "--engine", "vllm"], "--stream-swap fixed: a rollout rank's vLLM takes new weights inside trainer 0's"),
+    (["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "1", "--stream",
+      "--engine", "vllm", "--stream-swap", "asap", "--lora-rank", "4", "--lora-vllm", "adapters"],
+     "--stream True: vLLM's running requests keep the adapter they started with"),
     (["--placement", "partial", "--sampler-ranks", "1"],
      "--judge-model None: --placement partial splits the policy's ranks between a sampler and a judge: add a "
      "--judge-model"),

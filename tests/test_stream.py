@@ -9,6 +9,7 @@ import torch
 from launch import torchrun
 from test_checkpoint import same_run, start_and_kill_rank_1
 from test_train_grpo import TINY, metrics
+from test_vllm import needs_vllm, run_helpers
 
 from engines.decode import SamplingParams
 from engines.native import NativeEngine
@@ -216,3 +217,36 @@ def test_dynamic_sampling_and_the_decoupled_loss_on_the_stream(tmp_path):
     assert all(r["rollout/token_staleness_max"] <= 1 for r in rows)
     assert all(r["train/mismatch_weight_max"] <= 2.0 + 1e-6 for r in rows)  # truncated at --mismatch-high
     assert any(r["train/mismatch_kl"] > 0 for r in rows[1:])  # stale tokens: the versions differ
+
+
+@pytest.mark.reordered
+@needs_vllm
+def test_vllms_pool_takes_an_update_in_flight_exactly():
+    """engines/vllm_pool.py (tests/helpers/vllm_stream_check.py, both modes at once): new weights while
+    vLLM's requests run. keep: each sample's first tokens are version 0's, the rest version 1's, and
+    every log-prob is the trainer's model's under the version that sampled it (within 1e-4, fp32, as
+    tests/test_vllm.py's transfer checks; the other version's are > 1e-2 away, so a stale cache would
+    show); drop: the samples started over, all version 1. A held-out evaluation between the stream's
+    steps runs under the new weights."""
+    keep, drop = run_helpers(*(["tests/helpers/vllm_stream_check.py", MODEL, m] for m in ("keep", "drop")))
+    for r in (keep, drop):
+        assert r["early"] == 0  # every sample still ran when the update came
+        for s in r["samples"]:
+            assert s["gap"] < 1e-4 and s["gap_other"] > 1e-2, s
+            assert s["versions"] == sorted(s["versions"]), s  # version 0's tokens, then version 1's
+        assert max(r["eval_gaps"]) < 1e-4 and r["eval_version"] == 1, r
+    assert all(set(s["versions"]) == {0, 1} for s in keep["samples"])  # went on under the new weights
+    assert all(set(s["versions"]) == {1} for s in drop["samples"])  # started over
+
+
+@needs_vllm
+def test_a_streaming_run_with_vllm(tmp_path):
+    """--stream --engine vllm --stream-swap asap: vLLM's core in a process of its own, weights over the
+    gloo transfer while its requests run, held-out evaluations in the stream: every token within K."""
+    run = str(tmp_path / "vllm")
+    torchrun(2, "train_grpo.py", *BASE, "--engine", "vllm", "--stream-swap", "asap", "--save-every", "0",
+             "--run-dir", run, fresh=True)
+    rows = [r for r in metrics(run) if "rollout/token_staleness_max" in r]
+    assert len(rows) == 8 and all(r["rollout/token_staleness_max"] <= 1 for r in rows)
+    assert any(r["rollout/token_staleness_mean"] > 0 for r in rows)  # the stream ran ahead of training
+    assert sum("eval/accuracy" in r for r in metrics(run)) >= 2
