@@ -5,7 +5,7 @@ sampled on the held-out problems (8 samples each, temperature 1, assets.carries.
 Prints the learning table and the length table, and draws the picture (held-out accuracy against
 seconds, and the completion lengths before and after).
 
-    python bench/carries_learning.py                      # 3 seeds, ~11 min each on 2 cores
+    python bench/carries_learning.py                      # 3 seeds, ~11 min each on 2 cores (270 steps)
     python bench/carries_learning.py --seeds 0 --steps 50 --out runs/carries-short   # a quick look
 """
 import argparse
@@ -74,7 +74,7 @@ def draw(path: str, curves: dict, before: list[int], after: dict):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=270)  # packed: ~2.2 s a step, 10 minutes
     ap.add_argument("--out", default="runs/carries")
     ap.add_argument("--picture", default=None, help="default: OUT/carries-run.png")
     ap.add_argument("--reuse", action="store_true",

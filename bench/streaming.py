@@ -12,6 +12,7 @@ held-out accuracy (128 problems) at its first and last step; then per way, over 
     python bench/streaming.py                     # 4 ways x 3 seeds x 30 steps, ~25 min on 2 cores
     python bench/streaming.py --seeds 0 --steps 10 --ways ahead,fixed
     python bench/streaming.py --seeds 0 --ways ahead-k2,asap-k2   # at --max-staleness 2
+    python bench/streaming.py --ways ahead-vllm,asap-vllm         # on vLLM's engine
     python bench/streaming.py --decode-rows    # a decode step's cost against its rows and context
 """
 import argparse
@@ -43,6 +44,10 @@ WAYS = {  # name -> flags on top of DISAGG
     # not in the default table (another bound): what the bound of 1 costs the pool
     "asap-k2": ["--max-staleness", "2", "--stream", "--stream-swap", "asap"],
     "ahead-k2": ["--max-staleness", "2"],
+    # the same two on vLLM (its core in a process of its own on the rollout rank): a batch per step,
+    # against vLLM's scheduler as the pool (engines/vllm_pool.py)
+    "ahead-vllm": ["--max-staleness", "1", "--engine", "vllm"],
+    "asap-vllm": ["--max-staleness", "1", "--stream", "--stream-swap", "asap", "--engine", "vllm"],
 }
 DEFAULT = "ahead,fixed,asap,asap-drop"
 

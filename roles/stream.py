@@ -173,8 +173,8 @@ class Generator:
             self.staged.setdefault(first[0].version, []).append(first)
             self.unseen = [first] if not first[0].adapters else [
                 p for p in self.unseen if not p[0].adapters] + [first]
-            if first[1] is None:  # vLLM's, still in trainer 0's broadcast: now (the first is a resume's)
-                self.swap(first[0].version, save=self.applied is not None)
+            if first[1] is None:  # vLLM's worker takes them now: trainer 0's broadcast waits for it
+                self.swap(first[0].version, save=self.applied is not None)  # (the first: nothing to save)
         elif isinstance(first, Generate):  # a held-out evaluation: one batch per trainer, newest weights
             self.evaluate(msgs)
         else:  # Submit, one per trainer

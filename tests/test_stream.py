@@ -237,6 +237,8 @@ def test_vllms_pool_takes_an_update_in_flight_exactly():
         assert max(r["eval_gaps"]) < 1e-4 and r["eval_version"] == 1, r
     assert all(set(s["versions"]) == {0, 1} for s in keep["samples"])  # went on under the new weights
     assert all(set(s["versions"]) == {1} for s in drop["samples"])  # started over
+    tokens, rows = keep["big_batch"]
+    assert tokens > 4096 and rows == 128  # a batch the CPU engine once failed on (chunked prefill)
 
 
 @needs_vllm

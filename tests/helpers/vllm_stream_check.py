@@ -4,7 +4,8 @@ vLLM pool (engines/vllm_pool.py) with an update in flight. Prints JSON on its la
   MODEL keep|drop   an engine in this process; 2 prompts x 2 samples run 20 engine steps under version
                     0, then version 1 goes in (keep: the samples go on under it; drop: they start over)
                     and a held-out evaluation of 2 prompts runs between the stream's steps; every token's
-                    log-prob is set beside the trainer's model's under the version vLLM says sampled it
+                    log-prob is set beside the trainer's model's under the version vLLM says sampled it;
+                    then a seeded batch of more prompt tokens than vLLM's default step budget
 """
 import json
 import os
@@ -37,7 +38,9 @@ def main():
     model_dir, mode = sys.argv[1], sys.argv[2]
     dist.init(timeout_s=120)  # as in training: the process group exists before the engine
     tok = Tokenizer(model_dir)
-    prompts = [tok.encode(*tok.render(r["prompt"])) for r in load_rows("builtin:carries", "eval", "prompt", None)[:4]]
+    rows = load_rows("builtin:carries", "eval", "prompt", None)[:16]
+    more = [tok.encode(*tok.render(r["prompt"])) for r in rows]
+    prompts = more[:4]
     T = 160
     engine = VLLMEngine(model_dir, tok, "cpu", torch.float32, max_model_len=max(map(len, prompts)) + T)
     old = {k: v.clone() for k, v in iter_checkpoint(model_dir)}
@@ -65,17 +68,23 @@ def main():
             L = int(s.lengths[j])
             versions, tokens = s.token_versions[j, :L], s.tokens[j, :L].tolist()
             under = {v: forced(trainer, w, req.prompt, tokens, tok.pad_id) for v, w in ((0, old), (1, new))}
-            mine = torch.where(versions == 0, under[0], under[1])  # each token under the version that sampled it
+            mine = torch.where(versions == 0, under[0], under[1])  # each token under its own version
             other = torch.where(versions == 0, under[1], under[0])
-            samples.append({"versions": versions.tolist(), "gap": float((s.logprobs[j, :L] - mine).abs().max()),
-                            "gap_other": float((s.logprobs[j, :L] - other).abs().max())})
+            gap, gap_other = ((s.logprobs[j, :L] - x).abs().max() for x in (mine, other))
+            samples.append({"versions": versions.tolist(), "gap": float(gap), "gap_other": float(gap_other)})
     evals = []
     for i in range(2):
         L = int(evaluated.lengths[i])
         lp = forced(trainer, new, prompts[2 + i], evaluated.tokens[i, :L].tolist(), tok.pad_id)
         evals.append(float((evaluated.logprobs[i, :L] - lp).abs().max()))
+    # seeded prompts over vLLM's default step budget of 4,096 tokens, none cached (failed on CPU when
+    # prefilled in chunks: engines/vllm_engine.py)
+    engine.llm.reset_prefix_cache()
+    big = engine.generate(more, SamplingParams(8, 1.0, max_new_tokens=4), list(range(16)))
     engine.close()
-    print(json.dumps({"early": early, "samples": samples, "eval_gaps": evals, "eval_version": evaluated.version}))
+    big_batch = [8 * sum(map(len, more)), len(big.lengths)]  # prompt tokens, samples
+    print(json.dumps({"early": early, "samples": samples, "eval_gaps": evals,
+                      "eval_version": evaluated.version, "big_batch": big_batch}))
 
 
 if __name__ == "__main__":
