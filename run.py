@@ -329,15 +329,14 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
         else:
             out["judge_idle"] = step_s - judge_busy
         return out
+    pool = {}
     if plan.mode == "disaggregate":
         rollout = engine.take_stats()  # the rollout rank's seconds since the last step
         rollout_busy = rollout["busy_s"] + rollout["sync_s"]
         rollout_idle = rollout["idle_s"]
         device_idle = trainer_idle + rollout_idle * plan.layout.rollout_ranks / plan.dp
         if "rows_s" in rollout:  # --stream: how full the pool ran, and its decode steps' seconds
-            return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
-                    "rollout_idle": rollout_idle, "device_idle": device_idle,
-                    "pool_rows_s": rollout["rows_s"], "pool_decode_s": rollout["decode_s"],
+            pool = {"pool_rows_s": rollout["rows_s"], "pool_decode_s": rollout["decode_s"],
                     "pool_steps": rollout["steps"]}
     else:
         rollout_busy = phase("generate") + phase("eval")
@@ -345,7 +344,7 @@ def phase_metrics(plan, engine, seconds: dict, step_s: float, tally: dict | None
         # one device takes turns: it idles only while waiting on other ranks
         device_idle = max(0.0, step_s - rollout_busy - trainer_busy - phase("sync"))
     return {"trainer_busy": trainer_busy, "trainer_idle": trainer_idle, "rollout_busy": rollout_busy,
-            "rollout_idle": rollout_idle, "device_idle": device_idle}
+            "rollout_idle": rollout_idle, "device_idle": device_idle, **pool}
 
 
 def placement_metrics(plan, total: dict, peak: dict) -> dict:

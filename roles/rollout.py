@@ -292,11 +292,7 @@ def serve(plan, engine):
         if isinstance(msg, Weights):
             sent = dist.wait_all(sent)  # the trainers took every reply before announcing weights
             engine.version = msg.version
-            try:
-                receive(plan, engine, msg, bufs)
-            except RuntimeError as e:
-                leave(engine, f"rollout rank {plan.rank}: the weights of version {msg.version} broke off: "
-                              f"trainer 0 died or hung; stopping ({str(e)[:300]})")
+            receive(plan, engine, msg, bufs)
             stats["sync_s"] += time.perf_counter() - t
             continue
         for trainer, m in zip(plan.served, msgs):
@@ -316,15 +312,20 @@ def leave(engine, why: str):
 
 
 def receive(plan, engine, msg: Weights, bufs: dict):
-    """One update from trainer 0's broadcast into this rollout rank's engine."""
-    if hasattr(engine, "receive_weights") and not msg.adapters:  # a vLLM engine (perhaps in Episodes)
-        engine.receive_weights(msg.specs)
-        return
-    weights = _incoming(plan, msg, bufs)
-    if msg.adapters:
-        engine.load_adapters(weights, msg.adapters)
-    else:
-        engine.load_weights(weights)
+    """One update from trainer 0's broadcast into this rollout rank's engine; if the broadcast breaks
+    off, the rank stops with one line."""
+    try:
+        if hasattr(engine, "receive_weights") and not msg.adapters:  # a vLLM engine (perhaps in Episodes)
+            engine.receive_weights(msg.specs)
+            return
+        weights = _incoming(plan, msg, bufs)
+        if msg.adapters:
+            engine.load_adapters(weights, msg.adapters)
+        else:
+            engine.load_weights(weights)
+    except RuntimeError as e:
+        leave(engine, f"rollout rank {plan.rank}: the weights of version {msg.version} broke off: trainer 0 "
+                      f"died or hung; stopping ({str(e)[:300]})")
 
 
 def receive_staged(plan, msg: Weights, bufs: dict) -> list:

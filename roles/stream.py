@@ -40,7 +40,7 @@ from engines.native import NativeEngine
 from engines.pool import Pool, Request
 from engines.vllm_engine import VLLMEngine
 from engines.vllm_pool import VLLMPool
-from roles.rollout import Generate, Start, Stop, Weights, leave, receive_staged
+from roles.rollout import Generate, Start, Stop, Weights, leave, receive, receive_staged
 from utils import dist
 from utils.checkpoint import checkpoint_dir
 from utils.errors import check_rules
@@ -196,7 +196,7 @@ class Generator:
             if self.evaluator is None:
                 e = self.engine
                 self.evaluator = NativeEngine(e.cfg, e.tok, e.device, e.dtype)
-            _load(self.evaluator, self.unseen, self.plan.rank)
+            _load(self.evaluator, self.unseen, self.plan)
             self.unseen, answer = [], self.evaluator.generate
         for trainer, m in zip(self.plan.served, msgs):
             out = answer(m.prompts, m.params, m.seeds)
@@ -279,7 +279,7 @@ class Generator:
             self.save(version)
         parts = self.staged.pop(version)
         self.engine.version = self.applied = version
-        self.pool.update(lambda: _load(self.engine, parts, self.plan.rank), drop=self.cfg.drop)
+        self.pool.update(lambda: _load(self.engine, parts, self.plan), drop=self.cfg.drop)
         for old in [v for v in self.staged if v < version]:
             del self.staged[old]
         self.stats["sync_s"] += time.perf_counter() - t
@@ -320,16 +320,12 @@ class Generator:
         return True
 
 
-def _load(engine, parts: list, rank: int):
+def _load(engine, parts: list, plan):
     """Weights into an engine, part by part: [(Weights, tensors)], full weights or LoRA's adapters;
     tensors None: a vLLM engine's worker takes them from trainer 0's broadcast now."""
     for msg, weights in parts:
         if weights is None:
-            try:
-                engine.receive_weights(msg.specs)
-            except RuntimeError as e:
-                leave(engine, f"rollout rank {rank}: the weights of version {msg.version} broke off: "
-                              f"trainer 0 died or hung; stopping ({str(e)[:300]})")
+            receive(plan, engine, msg, {})
         elif msg.adapters:
             engine.load_adapters(weights, msg.adapters)
         else:
