@@ -16,6 +16,7 @@ and the only way with vLLM rollout engines.
 """
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -250,13 +251,22 @@ def move(old, layout: Layout, state: dict | None, bucket_bytes: int, arrival: Ar
     """A move in process, on every rank (trainers from `Rebalancer.next_layout`, rollout ranks from
     their loop, told by their trainers): the new layout's groups and mesh, then the trainers'
     `state` (old trainers: {"state": checkpoint.state, "meta"}) onto the new trainers. Returns the
-    new Plan and its Arrival."""
-    if os.environ.get(PAUSE):
-        time.sleep(float(os.environ[PAUSE]))
-    t = time.perf_counter()
-    new = placement.replan(old, layout)
-    timings["groups_s"] = time.perf_counter() - t
-    carried, stats = placement.reshard(old, new, state, bucket_bytes)
+    new Plan and its Arrival.
+
+    The move's checkpoint is saved by now, so a SIGTERM during the move (torchrun's, after another
+    rank died; or a preemption) ends the rank at once, and `--resume auto` goes on from that
+    checkpoint. A handler would run only once the collective it is blocked in returns, which one with
+    a dead peer may not do before torchrun's 30 s grace ends in SIGKILL."""
+    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        if os.environ.get(PAUSE):
+            time.sleep(float(os.environ[PAUSE]))
+        t = time.perf_counter()
+        new = placement.replan(old, layout)
+        timings["groups_s"] = time.perf_counter() - t
+        carried, stats = placement.reshard(old, new, state, bucket_bytes)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
     moved = moves(arrival.run_dir)
     return new, Arrival(arrival.run_dir, moved, moved["moves"][-1]["at"], carried, {**timings, **stats},
                         time.time(), arrival.log, in_process=True)
