@@ -227,7 +227,9 @@ def test_vllms_pool_takes_an_update_in_flight_exactly():
     every log-prob is the trainer's model's under the version that sampled it (within 1e-4, fp32, as
     tests/test_vllm.py's transfer checks; the other version's are > 1e-2 away, so a stale cache would
     show); drop: the samples started over, all version 1. A held-out evaluation between the stream's
-    steps runs under the new weights."""
+    steps runs under the new weights. A pool resumed from a snapshot of live requests (drop's helper:
+    a checkpoint's pickle, a fresh pool) adds them again at its first update: they end whole, under
+    the new version only, every log-prob the trainer's model's under it."""
     keep, drop = run_helpers(*(["tests/helpers/vllm_stream_check.py", MODEL, m] for m in ("keep", "drop")))
     for r in (keep, drop):
         assert r["early"] == 0  # every sample still ran when the update came
@@ -237,6 +239,9 @@ def test_vllms_pool_takes_an_update_in_flight_exactly():
         assert max(r["eval_gaps"]) < 1e-4 and r["eval_version"] == 1, r
     assert all(set(s["versions"]) == {0, 1} for s in keep["samples"])  # went on under the new weights
     assert all(set(s["versions"]) == {1} for s in drop["samples"])  # started over
+    resumed = drop["resumed"]
+    assert resumed["early"] == 0 and resumed["waiting"] == 4, resumed  # both live when saved, held on load
+    assert resumed["keys"] == [[2], [3]] and resumed["versions"] == [2] and resumed["gap"] < 1e-4, resumed
     tokens, rows = keep["big_batch"]
     assert tokens > 4096 and rows == 128  # a batch the CPU engine once failed on (chunked prefill)
 

@@ -5,10 +5,12 @@ vLLM pool (engines/vllm_pool.py) with an update in flight. Prints JSON on its la
                     0, then version 1 goes in (keep: the samples go on under it; drop: they start over)
                     and a held-out evaluation of 2 prompts runs between the stream's steps; every token's
                     log-prob is set beside the trainer's model's under the version vLLM says sampled it;
-                    then a seeded batch of more prompt tokens than vLLM's default step budget
+                    then a seeded batch of more prompt tokens than vLLM's default step budget;
+                    drop also resumes a pool from a snapshot (`resume_check`)
 """
 import json
 import os
+import pickle
 import sys
 
 import torch
@@ -32,6 +34,41 @@ def forced(trainer, weights: dict, prompt: list, tokens: list, pad: int) -> torc
     with torch.no_grad():
         batch = make_batch([prompt], torch.tensor([tokens]), torch.tensor([len(tokens)]), pad)
         return completion_logprobs(trainer, batch, 1.0)[0]
+
+
+def resume_check(engine, trainer, pad: int, prompts: list, weights: dict, T: int) -> dict:
+    """A resumed run's pool (roles/stream.py `save`/`resume`): two new requests run 5 engine steps, the
+    pool's `state` goes through a pickle round trip (a checkpoint's), its requests are aborted (the
+    saving run ends), and a fresh pool loads the state; the next update (version 2: `weights`) adds
+    them to vLLM again, and they start over under it."""
+    params = SamplingParams(2, 1.0, max_new_tokens=T)
+    pool = VLLMPool(engine, params, 4, max(map(len, prompts)) + T)
+    requests = [Request((i,), p, i) for i, p in enumerate(prompts, start=2)]
+    pool.admit(requests)
+    early = sum(len(pool.step()) for _ in range(5))
+    state = pickle.loads(pickle.dumps(pool.state()))
+    pool.core.abort_request(list(pool.ids))
+    fresh = VLLMPool(engine, params, 4, max(map(len, prompts)) + T)
+    fresh.load(state)
+    waiting = fresh.live  # rows the loaded requests take before they are in vLLM
+    engine.version = 2
+    fresh.update(lambda: engine.load_weights(iter(weights.items())))
+    got = {}
+    for _ in range(2 * T):  # (a request never added would hold its rows for ever)
+        got.update({req.key: s for req, s in fresh.step()})
+        if not fresh.live:
+            break
+    gaps, versions = [], set()
+    assert sorted(got) == [r.key for r in requests], f"not every resumed request ended: {sorted(got)}"
+    for req in requests:
+        s = got[req.key]
+        for j in range(2):
+            L = int(s.lengths[j])
+            lp = forced(trainer, weights, req.prompt, s.tokens[j, :L].tolist(), pad)
+            gaps.append(float((s.logprobs[j, :L] - lp).abs().max()))
+            versions |= set(s.token_versions[j, :L].tolist())
+    return {"early": early, "waiting": waiting, "keys": sorted(got), "versions": sorted(versions),
+            "gap": max(gaps)}
 
 
 def main():
@@ -81,10 +118,11 @@ def main():
     # prefilled in chunks: engines/vllm_engine.py)
     engine.llm.reset_prefix_cache()
     big = engine.generate(more, SamplingParams(8, 1.0, max_new_tokens=4), list(range(16)))
+    resumed = resume_check(engine, trainer, tok.pad_id, prompts[:2], old, T) if mode == "drop" else None
     engine.close()
     big_batch = [8 * sum(map(len, more)), len(big.lengths)]  # prompt tokens, samples
     print(json.dumps({"early": early, "samples": samples, "eval_gaps": evals,
-                      "eval_version": evaluated.version, "big_batch": big_batch}))
+                      "eval_version": evaluated.version, "big_batch": big_batch, "resumed": resumed}))
 
 
 if __name__ == "__main__":
