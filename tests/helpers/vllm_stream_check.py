@@ -41,14 +41,14 @@ def resume_check(engine, trainer, pad: int, prompts: list, weights: dict, T: int
     pool's `state` goes through a pickle round trip (a checkpoint's), its requests are aborted (the
     saving run ends), and a fresh pool loads the state; the next update (version 2: `weights`) adds
     them to vLLM again, and they start over under it."""
-    params = SamplingParams(2, 1.0, max_new_tokens=T)
-    pool = VLLMPool(engine, params, 4, max(map(len, prompts)) + T)
+    params, context = SamplingParams(2, 1.0, max_new_tokens=T), max(map(len, prompts)) + T
+    pool = VLLMPool(engine, params, 4, context)
     requests = [Request((i,), p, i) for i, p in enumerate(prompts, start=2)]
     pool.admit(requests)
     early = sum(len(pool.step()) for _ in range(5))
     state = pickle.loads(pickle.dumps(pool.state()))
     pool.core.abort_request(list(pool.ids))
-    fresh = VLLMPool(engine, params, 4, max(map(len, prompts)) + T)
+    fresh = VLLMPool(engine, params, 4, context)
     fresh.load(state)
     waiting = fresh.live  # rows the loaded requests take before they are in vLLM
     engine.version = 2
