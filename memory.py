@@ -31,6 +31,12 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
   fp32 shards, at its own phase.
 - sync_buffers (disaggregate): trainer 0's and each rollout rank's two reusable buckets for the
   weight broadcast, of which the weights touch min(2 x --sync-bucket-mb, their size in p).
+- stream (--stream, a native engine; roles/stream.py): the rollout rank's pool has --stream-rows rows
+  (else one step's samples of its trainers), and it holds, for the run, the weight versions received
+  whole and not yet put in (trainers run at most K + 1 versions ahead of the pool's: K + 1 copies in
+  p, K = --max-staleness) and, with evaluations on, a second engine for them (its weights, packed
+  copy and KV cache for one trainer's held-out prompts). vLLM's worker takes the weights itself and
+  evaluates in its own pool: neither.
 """
 import re
 from dataclasses import dataclass, field
@@ -69,6 +75,9 @@ class Workload:
     lora_params: int = 0  # LoRA's adapter parameters (models.lora.count); 0: the full model trains
     lora_merged: int = 0  # LoRA, native engine: the adapted weights' elements (models.lora.adapted)
     micro_batch_tokens: int = 0  # >0: packed micro-batches of at most this many tokens (models/packing.py)
+    stream_rows: int = 0  # --stream: the rollout rank's pool rows (0: not streaming)
+    stream_versions: int = 0  # --stream, native engine: weight versions held received, not yet put in
+    stream_eval_rows: int = 0  # --stream, native engine, evaluations on: the evaluator engine's batch
 
 
 @dataclass
@@ -166,8 +175,13 @@ def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) ->
         return {"trainer": trainer}
     buffers = min(2 * w.bucket_bytes, P * w.param_bytes)  # trainer 0 sends, rollout ranks take buckets
     trainer.held["sync_buffers"] = buffers
-    generate = generation(cfg, w.gen_rows * dp // rollout, seq, w)  # for all its trainers at once
+    rows = w.stream_rows or w.gen_rows * dp // rollout  # for all its trainers at once (--stream: its pool)
+    generate = generation(cfg, rows, seq, w)
     rollout_rank = Need({"sync_buffers": buffers, **engine_base}, {"generate": generate})
+    if w.stream_versions:
+        rollout_rank.held["staged"] = w.stream_versions * P * w.param_bytes
+    if w.stream_eval_rows:
+        rollout_rank.held["evaluator"] = sum(generation(cfg, w.stream_eval_rows, seq, w).values())
     return {"trainer": trainer, "rollout": rollout_rank}
 
 
@@ -213,6 +227,12 @@ def for_run(args, cfg: ModelConfig, mode: str, dp: int, rollout: int, device, pr
                  device_bytes=torch.cuda.get_device_properties(device).total_memory if gpu_vllm else 0,
                  lora_params=lora.count(cfg, args.lora),
                  lora_merged=lora.adapted(cfg, args.lora) if native else 0)
+    stream = getattr(args, "stream", None)  # train_grpo.py's
+    if stream is not None and stream.stream:
+        w.stream_rows = stream.stream_rows or rows * dp // rollout
+        if native:
+            w.stream_versions = args.placement.max_staleness + 1
+            w.stream_eval_rows = -(-eval_rows // dp) if args.data.eval_every else 0
     return describe(estimate(cfg, mode, dp, rollout, w))
 
 

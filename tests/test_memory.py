@@ -8,12 +8,15 @@ freed heap memory for reuse, so the RSS peak would measure the allocator's histo
 the live tensors; MALLOC_MMAP_THRESHOLD_ makes every allocation over 64 KiB its own mapping,
 returned when freed."""
 import pytest
+import torch
+import tyro
 from conftest import hf_checkpoint
 from test_fsdp import torchrun
 from test_train_grpo import metrics
 
-from memory import GIB, Need, Workload, estimate, trainer_gib
+from memory import GIB, Need, Workload, estimate, for_run, generation, trainer_gib
 from models.config import ModelConfig
+from train_grpo import Args
 
 TOLERANCE = 0.2  # of the measured growth
 MID = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -101,3 +104,31 @@ def test_the_plan_knows_lora():
 def test_the_peak_is_what_is_held_and_the_largest_phase():
     need = Need({"a": 3}, {"x": {"b": 1, "c": 4}, "y": {"d": 2}})
     assert need.total() == 3 + 5
+
+
+def test_the_plan_knows_the_stream():
+    """--stream (a native engine): the rollout rank's pool has --stream-rows rows, and it holds K + 1
+    weight versions received and not yet put in, and an evaluator engine for the held-out prompts;
+    with vLLM, neither (its worker takes the weights, its pool evaluates). From the flags, as
+    train_grpo.py prints it."""
+    cfg = ModelConfig(**MID)
+    P = cfg.num_params()
+    flags = ["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "2", "--stream",
+             "--prompts-per-step", "8", "--num-generations", "4", "--max-new-tokens", "32", "--eval-every", "5"]
+    w = Workload(param_bytes=4, micro_batch=4, prompt_len=16, new_tokens=32, rows=16, gen_rows=16,
+                 stream_rows=24, stream_versions=3, stream_eval_rows=5)
+    plan = estimate(cfg, "disaggregate", 2, 1, w)
+    rollout, trainer = plan["rollout"], plan["trainer"]
+    assert rollout.held["staged"] == 3 * 4 * P  # K + 1 = 3 copies in fp32
+    evaluator = generation(cfg, 5, 48, w)  # its weights, packed copy and KV cache
+    assert rollout.held["evaluator"] == sum(evaluator.values()) > 2 * 4 * P
+    assert rollout.phases["generate"] == generation(cfg, 24, 48, w)  # the pool's rows
+    assert "staged" not in trainer.held and "evaluator" not in trainer.held
+    said = for_run(tyro.cli(Args, args=flags), cfg, "disaggregate", 2, 1, torch.device("cpu"), 16, 10)
+    assert f"staged {3 * 4 * P / 2**20:.2f}" in said and "evaluator" in said, said
+    vllm = for_run(tyro.cli(Args, args=[*flags, "--engine", "vllm", "--stream-swap", "asap"]), cfg,
+                   "disaggregate", 2, 1, torch.device("cpu"), 16, 10)
+    assert "staged" not in vllm and "evaluator" not in vllm, vllm
+    plain = for_run(tyro.cli(Args, args=[f for f in flags if f != "--stream"]), cfg, "disaggregate", 2, 1,
+                    torch.device("cpu"), 16, 10)
+    assert "staged" not in plain, plain
