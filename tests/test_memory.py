@@ -114,7 +114,8 @@ def test_the_plan_knows_the_stream():
     cfg = ModelConfig(**MID)
     P = cfg.num_params()
     flags = ["--placement", "disaggregate", "--rollout-ranks", "1", "--max-staleness", "2", "--stream",
-             "--prompts-per-step", "8", "--num-generations", "4", "--max-new-tokens", "32", "--eval-every", "5"]
+             "--prompts-per-step", "8", "--num-generations", "4", "--max-new-tokens", "32",
+             "--eval-every", "5"]
     w = Workload(param_bytes=4, micro_batch=4, prompt_len=16, new_tokens=32, rows=16, gen_rows=16,
                  stream_rows=24, stream_versions=3, stream_eval_rows=5)
     plan = estimate(cfg, "disaggregate", 2, 1, w)
