@@ -35,8 +35,9 @@ P parameters sharded by FSDP2 over d trainer ranks and p bytes per element of th
   (else one step's samples of its trainers), and it holds, for the run, the weight versions received
   whole and not yet put in (trainers run at most K + 1 versions ahead of the pool's: K + 1 copies in
   p, K = --max-staleness) and, with evaluations on, a second engine for them (its weights, packed
-  copy and KV cache for one trainer's held-out prompts). vLLM's worker takes the weights itself and
-  evaluates in its own pool: neither.
+  copy and KV cache for one trainer's held-out prompts; LoRA: a version is its adapters alone, and
+  the evaluator has a base of its own). vLLM's worker takes the weights itself and evaluates in its
+  own pool: neither.
 """
 import re
 from dataclasses import dataclass, field
@@ -178,10 +179,11 @@ def estimate(cfg: ModelConfig, mode: str, dp: int, rollout: int, w: Workload) ->
     rows = w.stream_rows or w.gen_rows * dp // rollout  # for all its trainers at once (--stream: its pool)
     generate = generation(cfg, rows, seq, w)
     rollout_rank = Need({"sync_buffers": buffers, **engine_base}, {"generate": generate})
-    if w.stream_versions:
-        rollout_rank.held["staged"] = w.stream_versions * P * w.param_bytes
-    if w.stream_eval_rows:
-        rollout_rank.held["evaluator"] = sum(generation(cfg, w.stream_eval_rows, seq, w).values())
+    if w.stream_versions:  # LoRA: after the base, a version is its adapters alone
+        rollout_rank.held["staged"] = w.stream_versions * (L or P) * w.param_bytes
+    if w.stream_eval_rows:  # LoRA: with a base of its own
+        evaluator = {**generation(cfg, w.stream_eval_rows, seq, w), **engine_base}
+        rollout_rank.held["evaluator"] = sum(evaluator.values())
     return {"trainer": trainer, "rollout": rollout_rank}
 
 

@@ -125,6 +125,11 @@ def test_the_plan_knows_the_stream():
     assert rollout.held["evaluator"] == sum(evaluator.values()) > 2 * 4 * P
     assert rollout.phases["generate"] == generation(cfg, 24, 48, w)  # the pool's rows
     assert "staged" not in trainer.held and "evaluator" not in trainer.held
+    L, M = 1000, 2000  # LoRA: adapters of L parameters, M adapted weights (the native engine merges)
+    lora = estimate(cfg, "disaggregate", 2, 1, Workload(**{**w.__dict__, "lora_params": L, "lora_merged": M}))
+    assert lora["rollout"].held["staged"] == 3 * 4 * L  # after the base, each version is its adapters
+    merged, base = 4 * M, 4 * P  # the evaluator's merged copy and its own base
+    assert lora["rollout"].held["evaluator"] == evaluator["packed"] + evaluator["kv"] + merged + base
     said = for_run(tyro.cli(Args, args=flags), cfg, "disaggregate", 2, 1, torch.device("cpu"), 16, 10)
     assert f"staged {3 * 4 * P / 2**20:.2f}" in said and "evaluator" in said, said
     vllm = for_run(tyro.cli(Args, args=[*flags, "--engine", "vllm", "--stream-swap", "asap"]), cfg,
