@@ -6,8 +6,9 @@ rest of the working following from it), so that at temperature 1 it slips now an
 long sum, with more columns to slip in, is more often wrong; greedy it is mostly right, and
 pass@8 shows the answers within reach. RL's job is to stop the slips.
 
-    python -m assets.carries --out assets/carries-tiny         # ~25 min on 2 cores (docs/reasoning.md)
+    python -m assets.carries --out assets/carries-tiny         # ~40 min on 2 cores (docs/reasoning.md)
     python -m assets.carries --out /tmp/c --sft-steps 20 --noisy-steps 0   # a quick one (tests)
+    python -m assets.carries --out /tmp/s --from-clean CLEAN --noise 0.25  # other slips from a --clean-out
 """
 import argparse
 import random
@@ -19,7 +20,7 @@ import torch
 from assets.make import TINY, masked_nll, padded, sft_model
 from engines.decode import SamplingParams
 from engines.native import NativeEngine
-from models.hf import iter_checkpoint, read_config, save_model
+from models.hf import iter_checkpoint, load_state, read_config, save_model
 from models.tokenizer import Tokenizer, train_tokenizer
 from tasks.carries import SYSTEM, carry_rows, worked
 from tasks.rewards import accuracy
@@ -64,27 +65,40 @@ def sft_step(model, examples: list, eos: int):
     return loss
 
 
-def carries_checkpoint(path: str, seed: int = 0, sft_steps: int = 1500, noisy_steps: int = 200,
-                       noise: float = 0.25, batch: int = 32, lr: float = 2e-3, noisy_lr: float = 3e-4,
-                       log_every: int = 100):
+def carries_checkpoint(path: str, seed: int = 0, sft_steps: int = 3000, noisy_steps: int = 300,
+                       noise: float = 0.35, batch: int = 32, lr: float = 2e-3, noisy_lr: float = 3e-4,
+                       log_every: int = 100, clean_out: str | None = None, from_clean: str | None = None):
     """Writes the tiny carries model at `path`: `sft_steps` on clean worked solutions (AdamW, one
-    cycle up to `lr`), then `slip_steps`."""
+    cycle up to `lr`), then `slip_steps`. With `clean_out`, the model before the slips is written
+    there too; `from_clean` starts from such a model instead of the clean steps (the same bytes as
+    the whole build with these settings: the slips draw only from their own generator)."""
 
     eos = carries_tokenizer(path)
     tok = Tokenizer(path)
     cfg, model, opt, sched = sft_model(eos, seed, lr, sft_steps)
+    if from_clean:
+        load_state(model, iter_checkpoint(from_clean))
+    else:
+        clean_steps(model, opt, sched, tok, eos, sft_steps, seed, batch, log_every)
+    if clean_out:
+        save_model(model, cfg, clean_out, tokenizer_dir=path)
+    slip_steps(model, tok, eos, noisy_steps, noise, batch, noisy_lr, seed, log_every)
+    save_model(model, cfg, path)
+
+
+def clean_steps(model, opt, sched, tok: Tokenizer, eos: int, steps: int, seed: int = 0, batch: int = 32,
+                log_every: int = 100):
+    """`steps` supervised steps, in place, on clean worked solutions drawn from the train split."""
     rng, train = random.Random(seed), carry_rows("train", seed)
     t0 = time.time()
-    for step in range(sft_steps):
+    for step in range(steps):
         opt.zero_grad()
         loss = sft_step(model, [example(r, r["solution"], tok, eos) for r in rng.sample(train, batch)], eos)
         opt.step()
         sched.step()
         if (step + 1) % log_every == 0:
             seconds = time.time() - t0
-            print(f"carries sft step {step + 1}/{sft_steps} loss {loss:.3f} ({seconds:.0f}s)", flush=True)
-    slip_steps(model, tok, eos, noisy_steps, noise, batch, noisy_lr, seed, log_every)
-    save_model(model, cfg, path)
+            print(f"carries sft step {step + 1}/{steps} loss {loss:.3f} ({seconds:.0f}s)", flush=True)
 
 
 def slip_steps(model, tok: Tokenizer, eos: int, steps: int, noise: float, batch: int = 32, lr: float = 3e-4,
@@ -141,13 +155,16 @@ def sample_stats(path: str, n_prompts: int = 256, n: int = 8, temperature: float
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sft-steps", type=int, default=1500, help="steps on clean worked solutions")
-    ap.add_argument("--noisy-steps", type=int, default=200, help="then steps on solutions with slips")
-    ap.add_argument("--noise", type=float, default=0.25, help="the chance that a column's total is one off")
+    ap.add_argument("--sft-steps", type=int, default=3000, help="steps on clean worked solutions")
+    ap.add_argument("--noisy-steps", type=int, default=300, help="then steps on solutions with slips")
+    ap.add_argument("--noise", type=float, default=0.35, help="the chance that a column's total is one off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clean-out", help="also write the model before the slips here (its ceiling for RL)")
+    ap.add_argument("--from-clean", help="start from a --clean-out model: the slip steps alone")
     a = ap.parse_args()
     torch.set_num_threads(2)  # the bits then depend on the CPU, as assets/tool-tiny's
-    carries_checkpoint(a.out, a.seed, a.sft_steps, a.noisy_steps, a.noise)
+    carries_checkpoint(a.out, a.seed, a.sft_steps, a.noisy_steps, a.noise, clean_out=a.clean_out,
+                       from_clean=a.from_clean)
     got = sample_stats(a.out, seed=a.seed)
     print(f"wrote {a.out}: held-out, 8 samples a problem at temperature 1: "
           + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()))

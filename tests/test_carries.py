@@ -99,19 +99,29 @@ def test_a_slipped_solution_follows_from_its_wrong_totals():
 
 
 def test_the_tiny_model_builder_is_reproducible(tmp_path):
-    """assets/carries.py, a few steps of each phase twice: the same bytes."""
-    for out in ("a", "b"):
-        carries_checkpoint(str(tmp_path / out), sft_steps=3, noisy_steps=2, batch=4)
+    """assets/carries.py, a few steps of each phase twice: the same bytes; and the slips alone from
+    the first build's clean model (--from-clean) give those bytes too."""
+    a, b, c, clean = (str(tmp_path / x) for x in ("a", "b", "c", "clean"))
+    carries_checkpoint(a, sft_steps=3, noisy_steps=2, batch=4, clean_out=clean)
+    carries_checkpoint(b, sft_steps=3, noisy_steps=2, batch=4)
+    carries_checkpoint(c, sft_steps=0, noisy_steps=2, batch=4, from_clean=clean)  # no clean steps of its own
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        for other in (b, c):
+            assert read(a, name) == read(other, name), name
+    assert read(a, "model.safetensors") != read(clean, "model.safetensors")  # the slips changed it
+
+
+def read(folder: str, name: str) -> bytes:
+    with open(os.path.join(folder, name), "rb") as f:
+        return f.read()
 
 
 def test_a_short_grpo_run_on_carries_raises_the_training_reward(tmp_path):
     """GRPO on 2 ranks from assets/carries-tiny, the same 8 short sums every step (2-3 lines of
     working: the run stays under a minute): the mean training reward of the last 5 steps is clearly
-    above that of the first 5. Measured 0.669 -> 0.872 in 12 steps (the same under
-    ATEN_CPU_CAPABILITY=default and RL_THREADS=2); the threshold, +0.1, leaves room for another
-    CPU's rounding and for sampling noise (8 prompts x 8 samples)."""
+    above that of the first 5. Measured 0.603 -> 0.750 in 12 steps on the rebuilt carries-tiny
+    (2026-12-07; the same under ATEN_CPU_CAPABILITY=default and RL_THREADS=2); the threshold, +0.1,
+    leaves room for another CPU's rounding and for sampling noise (8 prompts x 8 samples)."""
     rows = [r for r in carry_rows("train") if len(r["solution"].splitlines()) in (3, 4)][:8]
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))

@@ -219,29 +219,36 @@ def test_dynamic_sampling_and_the_decoupled_loss_on_the_stream(tmp_path):
     assert any(r["train/mismatch_kl"] > 0 for r in rows[1:])  # stale tokens: the versions differ
 
 
+# fp32 log-probs, vLLM's CPU kernels against the trainer's model: on carries-tiny (rebuilt 2026-12-07,
+# sharper than the first build) up to 1.02e-4 over a sample's tokens, under the default arithmetic
+# order, RL_THREADS=2, MKL_CBWR=COMPATIBLE and ATEN_CPU_CAPABILITY=default (5.4e-5); the other
+# version's are over 11 away. 5e-4 leaves 5x room for another CPU and stays far from a stale cache.
+GAP = 5e-4
+
+
 @pytest.mark.reordered
 @needs_vllm
 def test_vllms_pool_takes_an_update_in_flight_exactly():
     """engines/vllm_pool.py (tests/helpers/vllm_stream_check.py, both modes at once): new weights while
     vLLM's requests run. keep: each sample's first tokens are version 0's, the rest version 1's, and
-    every log-prob is the trainer's model's under the version that sampled it (within 1e-4, fp32, as
-    tests/test_vllm.py's transfer checks; the other version's are > 1e-2 away, so a stale cache would
-    show); drop: the samples started over, all version 1. A held-out evaluation between the stream's
-    steps runs under the new weights. A pool resumed from a snapshot of live requests (drop's helper:
-    a checkpoint's pickle, a fresh pool) adds them again at its first update: they end whole, under
-    the new version only, every log-prob the trainer's model's under it."""
+    every log-prob is the trainer's model's under the version that sampled it (within GAP, fp32; the
+    other version's are > 1e-2 away, so a stale cache would show); drop: the samples started over,
+    all version 1. A held-out evaluation between the stream's steps runs under the new weights. A pool
+    resumed from a snapshot of live requests (drop's helper: a checkpoint's pickle, a fresh pool) adds
+    them again at its first update: they end whole, under the new version only, every log-prob the
+    trainer's model's under it."""
     keep, drop = run_helpers(*(["tests/helpers/vllm_stream_check.py", MODEL, m] for m in ("keep", "drop")))
     for r in (keep, drop):
         assert r["early"] == 0  # every sample still ran when the update came
         for s in r["samples"]:
-            assert s["gap"] < 1e-4 and s["gap_other"] > 1e-2, s
+            assert s["gap"] < GAP and s["gap_other"] > 1e-2, s
             assert s["versions"] == sorted(s["versions"]), s  # version 0's tokens, then version 1's
-        assert max(r["eval_gaps"]) < 1e-4 and r["eval_version"] == 1, r
+        assert max(r["eval_gaps"]) < GAP and r["eval_version"] == 1, r
     assert all(set(s["versions"]) == {0, 1} for s in keep["samples"])  # went on under the new weights
     assert all(set(s["versions"]) == {1} for s in drop["samples"])  # started over
     resumed = drop["resumed"]
     assert resumed["early"] == 0 and resumed["waiting"] == 4, resumed  # both live when saved, held on load
-    assert resumed["keys"] == [[2], [3]] and resumed["versions"] == [2] and resumed["gap"] < 1e-4, resumed
+    assert resumed["keys"] == [[2], [3]] and resumed["versions"] == [2] and resumed["gap"] < GAP, resumed
     tokens, rows = keep["big_batch"]
     assert tokens > 4096 and rows == 128  # a batch the CPU engine once failed on (chunked prefill)
 
