@@ -100,20 +100,15 @@ def test_a_slipped_solution_follows_from_its_wrong_totals():
 
 def test_the_tiny_model_builder_is_reproducible(tmp_path):
     """assets/carries.py, a few steps of each phase twice: the same bytes; and the slips alone from
-    the first build's clean model (--from-clean) give those bytes too."""
-    a, b, c, clean = (str(tmp_path / x) for x in ("a", "b", "c", "clean"))
-    carries_checkpoint(a, sft_steps=3, noisy_steps=2, batch=4, clean_out=clean)
-    carries_checkpoint(b, sft_steps=3, noisy_steps=2, batch=4)
-    carries_checkpoint(c, sft_steps=0, noisy_steps=2, batch=4, from_clean=clean)  # no clean steps of its own
+    build a's clean model (--clean-out, then --from-clean) give those bytes too."""
+    a, b, c, clean = (tmp_path / x for x in ("a", "b", "c", "clean"))
+    carries_checkpoint(str(a), sft_steps=3, noisy_steps=2, batch=4, clean_out=str(clean))
+    carries_checkpoint(str(b), sft_steps=3, noisy_steps=2, batch=4)
+    carries_checkpoint(str(c), sft_steps=0, noisy_steps=2, batch=4, from_clean=str(clean))  # no clean steps
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         for other in (b, c):
-            assert read(a, name) == read(other, name), name
-    assert read(a, "model.safetensors") != read(clean, "model.safetensors")  # the slips changed it
-
-
-def read(folder: str, name: str) -> bytes:
-    with open(os.path.join(folder, name), "rb") as f:
-        return f.read()
+            assert (a / name).read_bytes() == (other / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (clean / "model.safetensors").read_bytes()
 
 
 def test_a_short_grpo_run_on_carries_raises_the_training_reward(tmp_path):
